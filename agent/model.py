@@ -1,0 +1,114 @@
+"""The validated form of a provider manifest.
+
+`agent.manifest` turns a `provider.toml` into a `Provider`; everything else
+(generator, front, worker wrapper, GPU placement, router) reads only these
+immutable objects. No I/O here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+Protocol = Literal["http", "tcp"]
+Enforce = Literal["stop", "warn"]
+Network = Literal["private", "host"]
+
+
+@dataclass(frozen=True)
+class Address:
+    """One listen address: TCP (v4 or v6) or an absolute unix socket path."""
+
+    host: str | None  # "127.0.0.1", "::1", "0.0.0.0"; None for a unix socket
+    port: int | None  # 1..65535; None for a unix socket
+    path: str | None = None  # absolute unix socket path
+
+    @property
+    def is_unix(self) -> bool:
+        return self.path is not None
+
+    def __str__(self) -> str:
+        """The form systemd's ListenStream= and the manifest use."""
+        if self.path is not None:
+            return self.path
+        if self.host is not None and ":" in self.host:
+            return f"[{self.host}]:{self.port}"
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Ready:
+    """How the worker wrapper knows the model answers."""
+
+    kind: Literal["tcp", "http", "notify"]
+    path: str = "/"  # for kind == "http"
+
+    def __str__(self) -> str:
+        return f"http:{self.path}" if self.kind == "http" else self.kind
+
+
+@dataclass(frozen=True)
+class Provider:
+    slug: str
+    source: Path  # the manifest file it came from
+    description: str = ""
+    enabled: bool = True
+
+    # [listen]
+    addresses: tuple[Address, ...] = ()
+    protocol: Protocol = "http"
+    allow: tuple[str, ...] = ()  # client allow-list (CIDRs), empty = anyone
+    max_held: int = 1024  # connections held while the worker starts; beyond: refused at once
+
+    # [runtime]
+    mode: Literal["resident"] = "resident"
+    command: tuple[str, ...] = ()  # argv with placeholders such as {port}; empty when launch is set
+    launch: str | None = None  # "package.module:function" returning argv; resolved by the worker wrapper
+    worker_port: int = 0  # the worker's private port; 0 = chosen by the front at each start
+    ready: Ready = field(default_factory=lambda: Ready("tcp"))
+    environment: tuple[tuple[str, str], ...] = ()  # ordered (name, value)
+    working_directory: str | None = None
+    start_timeout_s: float = 900.0
+    request_timeout_s: float = 300.0
+    idle_timeout_s: float = 600.0
+    stop_timeout_s: float = 30.0  # bounded wait for requests in flight on `providerctl stop`
+    idle_ignore_paths: tuple[str, ...] = ()
+
+    # [limits] (None = no limit)
+    memory_max: int | None = None  # bytes
+    memory_high: int | None = None  # bytes
+    cpu_quota: int | None = None  # percent, 100 = one CPU
+    tasks_max: int | None = None
+
+    # [gpu]
+    gpu_devices: Literal["auto", "none"] | tuple[int | str, ...] = "none"  # indices or "GPU-<uuid>"
+    gpu_count: int = 1
+    vram_budget_gb: float | None = None
+    enforce: Enforce = "stop"
+
+    # [weights]
+    weight_paths: tuple[str, ...] = ()  # absolute, bound read-only into the worker
+
+    # [isolation]
+    network: Network = "private"
+
+    # [models] (the router)
+    model_names: tuple[str, ...] = ()
+    model_patterns: tuple[str, ...] = ()  # full-match regular expressions
+
+    @property
+    def uses_gpu(self) -> bool:
+        return self.gpu_devices != "none"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with one manifest, printed as `<file>: <key>: <message>`."""
+
+    file: str
+    key: str  # dotted key, or "" for the file as a whole
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.key}: {self.message}" if self.key else f"{self.file}: {self.message}"
