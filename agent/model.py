@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+# Re-exported: the worker wrapper imports agent.placeholders alone, to start fast.
+from agent.placeholders import PLACEHOLDERS as PLACEHOLDERS
+from agent.placeholders import fill_placeholders as fill_placeholders
+
 Protocol = Literal["http", "tcp"]
 Enforce = Literal["stop", "warn"]
 Network = Literal["private", "host"]
@@ -112,43 +116,3 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.file}: {self.key}: {self.message}" if self.key else f"{self.file}: {self.message}"
-
-
-# Placeholders a command may use; filled by the worker wrapper when the worker starts.
-# "{{" and "}}" stand for literal braces.
-PLACEHOLDERS = {
-    "port": "the worker's private TCP port",
-    "host": "the worker's private host address (127.0.0.1)",
-    "slug": "the provider's slug",
-    "python": "the Python interpreter that runs providerd",
-}
-
-
-def fill_placeholders(arg: str, values: dict[str, str]) -> str:
-    """Replace `{name}` in one argument; `{{`/`}}` are literal braces.
-
-    Raises KeyError for an unknown name and ValueError for an unbalanced brace.
-    """
-    out: list[str] = []
-    i, n = 0, len(arg)
-    while i < n:
-        c = arg[i]
-        if c == "{":
-            if arg.startswith("{{", i):
-                out.append("{")
-                i += 2
-                continue
-            end = arg.find("}", i)
-            if end < 0:
-                raise ValueError("unbalanced '{' (write '{{' for a literal brace)")
-            out.append(values[arg[i + 1 : end]])
-            i = end + 1
-        elif c == "}":
-            if not arg.startswith("}}", i):
-                raise ValueError("unbalanced '}' (write '}}' for a literal brace)")
-            out.append("}")
-            i += 2
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
