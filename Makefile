@@ -1,0 +1,109 @@
+# providerd: the one way to do each job.
+#
+#   make demo         run the demo provider in the foreground and show it working
+#   make test         install what the tests need, then every tier: lint unit integration system vm
+#   make lint|unit|integration|system|vm   one tier
+#   make deb          dist/providerd_<version>_all.deb
+#   make bench        every bench/bench_*.py, in one go
+#
+# Each tier is one pytest run (or lint); its output is kept in .work/logs/<tier>.log.
+# pytest's "no tests collected" (exit 5) fails a tier like any other failure.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+
+SYSTEM_PATH := /usr/sbin:/usr/bin:/sbin:/bin
+VENV := .venv
+PY := $(VENV)/bin/python
+WORK := .work
+TIER := .ci/tier
+PYTEST_FLAGS ?=
+
+VERSION := $(shell PATH=$(SYSTEM_PATH) dpkg-parsechangelog -l packaging/debian/changelog -S Version 2>/dev/null)
+DEB := dist/providerd_$(VERSION)_all.deb
+DEB_INPUTS := $(shell git ls-files -co --exclude-standard agent units packaging docs examples pyproject.toml README.md 2>/dev/null)
+
+# Debian packages the tiers use (the .deb's own dependencies come from its control file).
+APT_PACKAGES := \
+	python3 python3-venv python3-systemd python3-dbus-next \
+	systemd systemd-container dbus debootstrap qemu-system-x86 util-linux iproute2 procps \
+	debhelper dh-python pybuild-plugin-pyproject python3-all python3-setuptools \
+	build-essential fakeroot dpkg-dev lintian \
+	zstd e2fsprogs curl git ca-certificates
+PIP_PACKAGES := pytest ruff mypy
+
+.PHONY: help test deps venv lint unit integration system vm deb lintian bench demo clean
+
+help:
+	@sed -n '2,11s/^# \{0,1\}//p' Makefile
+
+test: lint unit integration system vm
+
+# --- set-up -------------------------------------------------------------------
+
+deps: $(WORK)/apt.stamp
+
+$(WORK)/apt.stamp: Makefile
+	@mkdir -p $(WORK)
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
+	if [[ -n $$missing ]]; then \
+		if [[ $$(id -u) != 0 ]]; then echo "make: missing Debian packages: $$missing (run as root, or apt-get install them)" >&2; exit 1; fi; \
+		echo "apt-get install $$missing"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get update -qq; \
+		apt-get install -y -qq --no-install-recommends $$missing >$(WORK)/apt.log 2>&1 || { tail -n 30 $(WORK)/apt.log >&2; exit 1; }; \
+	fi
+	@touch $@
+
+venv: $(VENV)/.stamp
+
+$(VENV)/.stamp: $(WORK)/apt.stamp pyproject.toml
+	@test -x $(PY) || PATH=$(SYSTEM_PATH) /usr/bin/python3 -m venv --system-site-packages $(VENV)
+	@$(PY) -m pip install -q --disable-pip-version-check $(PIP_PACKAGES)
+	@$(PY) -m pip install -q --disable-pip-version-check -e .
+	@touch $@
+
+# --- tiers --------------------------------------------------------------------
+
+LINT_PATHS = $(wildcard agent tests bench examples)
+
+lint: venv
+	@$(TIER) lint bash -c '$(VENV)/bin/ruff check --extend-exclude agent/_vendor $(LINT_PATHS) && \
+		$(VENV)/bin/ruff format --check --extend-exclude agent/_vendor $(LINT_PATHS) && \
+		$(VENV)/bin/mypy --strict agent'
+
+unit: venv
+	@$(TIER) unit $(PY) -m pytest tests/unit $(PYTEST_FLAGS)
+
+integration: venv
+	@$(TIER) integration $(PY) -m pytest tests/integration $(PYTEST_FLAGS)
+
+system: venv deb
+	@$(TIER) system $(PY) -m pytest tests/system --run-system --deb=$(DEB) -rA $(PYTEST_FLAGS)
+
+vm: venv deb
+	@$(TIER) vm $(PY) -m pytest tests/vm --run-vm --deb=$(DEB) -rA $(PYTEST_FLAGS)
+
+# --- package ------------------------------------------------------------------
+
+deb: $(DEB)
+
+$(DEB): $(WORK)/apt.stamp $(DEB_INPUTS)
+	@PATH=$(SYSTEM_PATH) packaging/build-deb.sh dist
+
+lintian: $(DEB)
+	@PATH=$(SYSTEM_PATH) lintian --fail-on error,warning -I --pedantic $(DEB)
+
+# --- the rest -----------------------------------------------------------------
+
+bench: venv
+	@$(TIER) bench bash -c 'shopt -s nullglob; set -- bench/bench_*.py; \
+		(( $$# )) || { echo "make bench: no bench/bench_*.py" >&2; exit 1; }; \
+		for b; do echo "== $$b"; $(PY) "$$b"; done'
+
+demo: venv
+	@examples/demo.sh
+
+clean:
+	rm -rf dist build $(WORK) .pytest_cache .mypy_cache .ruff_cache
