@@ -1,0 +1,367 @@
+"""Starting, watching and stopping the worker.
+
+Two implementations of one interface:
+- `SystemdWorker` starts `provider-worker@<slug>.service` through systemd's D-Bus API;
+  the unit is `Type=notify`, so a start job that ends "done" means the model answers.
+- `ProcessWorker` runs the same wrapper command as a child process (foreground mode),
+  giving it a notify socket of its own so the wrapper's READY=1 means the same thing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from agent import paths
+from agent.systemd import Systemd
+
+ExitCallback = Callable[[str], None]
+DeviceRules = Sequence[tuple[str, str]]
+
+
+class StartFailed(Exception):
+    """The worker did not become ready."""
+
+    def __init__(self, reason: str, log_tail: Sequence[str] = ()) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.log_tail = list(log_tail)
+
+
+class WorkerControl(Protocol):
+    def on_exit(self, callback: ExitCallback) -> None:
+        """`callback(reason)` when the worker goes away without being asked to."""
+        ...
+
+    async def start(self, env: Mapping[str, str], devices: DeviceRules | None) -> None:
+        """Start the worker and return once it answers; raises StartFailed."""
+        ...
+
+    async def stop(self) -> None:
+        """Stop the worker and return once it is gone."""
+        ...
+
+    async def pids(self) -> list[int]: ...
+
+    async def memory(self) -> dict[str, int | None]:
+        """{"current": bytes, "max": bytes} where known."""
+        ...
+
+
+def write_env_file(path: Path, env: Mapping[str, str]) -> None:
+    """Write an EnvironmentFile= atomically (temp + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    lines = []
+    for key, value in env.items():
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
+        lines.append(f'{key}="{escaped}"\n')
+    tmp.write_text("".join(lines))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------- systemd
+
+
+class SystemdWorker:
+    def __init__(self, systemd: Systemd, slug: str, start_timeout_s: float) -> None:
+        self.systemd = systemd
+        self.slug = slug
+        self.unit = f"provider-worker@{slug}.service"
+        self.start_timeout_s = start_timeout_s
+        self._on_exit: ExitCallback = lambda _reason: None
+        self._watching = False
+        self._running = False  # we started it and did not ask it to stop
+        self._exit_task: asyncio.Task[None] | None = None
+
+    def on_exit(self, callback: ExitCallback) -> None:
+        self._on_exit = callback
+
+    def _state_changed(self, active: str, _sub: str) -> None:
+        if self._running and active in ("failed", "inactive", "deactivating"):
+            self._running = False
+            self._exit_task = asyncio.get_running_loop().create_task(self._report_exit())
+
+    async def _report_exit(self) -> None:
+        self._on_exit(await self._failure_reason("exited"))
+
+    async def _failure_reason(self, what: str) -> str:
+        try:
+            result = await self.systemd.get(self.unit, "Service", "Result")
+            status = await self.systemd.get(self.unit, "Service", "ExecMainStatus")
+        except Exception as e:  # the bus went away: say what we know
+            return f"worker {what} ({e})"
+        if result == "oom-kill":
+            return f"worker {what}: killed by the kernel for exceeding its memory limit (oom-kill)"
+        if result == "timeout":
+            return f"worker {what}: did not become ready within {self.start_timeout_s:g} s"
+        if result == "exit-code":
+            return f"worker {what} with status {status}"
+        if result == "signal":
+            return f"worker {what}: killed by signal {status}"
+        return f"worker {what} (result: {result})"
+
+    async def start(self, env: Mapping[str, str], devices: DeviceRules | None) -> None:
+        write_env_file(paths.worker_env_file(self.slug), env)
+        if devices is not None:
+            await self.systemd.set_properties(
+                self.unit, [("DeviceAllow", "a(ss)", []), ("DeviceAllow", "a(ss)", list(devices))]
+            )
+        if not self._watching:
+            await self.systemd.watch(self.unit, self._state_changed)
+            self._watching = True
+        try:
+            result = await asyncio.wait_for(
+                self.systemd.start_unit(self.unit), self.start_timeout_s + 30
+            )
+        except TimeoutError:
+            await self.systemd.stop_unit(self.unit)
+            raise StartFailed(
+                f"worker did not become ready within {self.start_timeout_s:g} s",
+                await journal_tail(self.unit),
+            ) from None
+        if result == "done":
+            active = await self.systemd.get(self.unit, "Unit", "ActiveState")
+            if active == "active":
+                self._running = True
+                return
+            result = f"unit is {active}"
+        reason = await self._failure_reason("failed to start")
+        raise StartFailed(reason, await journal_tail(self.unit))
+
+    async def stop(self) -> None:
+        self._running = False
+        await self.systemd.stop_unit(self.unit)
+
+    async def pids(self) -> list[int]:
+        return await self.systemd.unit_pids(self.unit)
+
+    async def memory(self) -> dict[str, int | None]:
+        def known(value: object) -> int | None:
+            return value if isinstance(value, int) and value < 2**63 else None
+
+        try:
+            current = await self.systemd.get(self.unit, "Service", "MemoryCurrent")
+            limit = await self.systemd.get(self.unit, "Service", "MemoryMax")
+        except Exception:
+            return {"current": None, "max": None}
+        return {"current": known(current), "max": known(limit)}
+
+
+async def journal_tail(unit: str, lines: int = 10) -> list[str]:
+    """The unit's last log lines, from the journal (empty where it cannot be read)."""
+
+    def read() -> list[str]:
+        try:
+            from systemd import journal
+        except ImportError:
+            return []
+        reader = journal.Reader()
+        reader.this_boot()
+        reader.add_match(_SYSTEMD_UNIT=unit)
+        reader.seek_tail()
+        out: list[str] = []
+        for _ in range(lines):
+            entry = reader.get_previous()
+            if not entry:
+                break
+            out.append(str(entry.get("MESSAGE", "")))
+        reader.close()
+        return out[::-1]
+
+    return await asyncio.get_running_loop().run_in_executor(None, read)
+
+
+# ---------------------------------------------------------------------------- foreground
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the parent dies, so nothing is orphaned."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class ProcessWorker:
+    """The worker wrapper as a child process: foreground mode, no cgroup limits."""
+
+    def __init__(
+        self,
+        slug: str,
+        argv: Sequence[str],
+        *,
+        environment: Mapping[str, str],
+        working_directory: str | None,
+        start_timeout_s: float,
+        stop_timeout_s: float,
+        log: Callable[[str], None],
+    ) -> None:
+        self.slug = slug
+        self.argv = list(argv)
+        self.environment = dict(environment)
+        self.working_directory = working_directory
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.log = log
+        self.tail: deque[str] = deque(maxlen=10)
+        self.proc: asyncio.subprocess.Process | None = None
+        self._on_exit: ExitCallback = lambda _reason: None
+        self._stopping = False
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def on_exit(self, callback: ExitCallback) -> None:
+        self._on_exit = callback
+
+    async def start(self, env: Mapping[str, str], devices: DeviceRules | None) -> None:
+        loop = asyncio.get_running_loop()
+        self._stopping = False
+        self.tail.clear()
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        address = f"\0providerd-{os.getpid()}-{self.slug}-{time.monotonic_ns()}"
+        notify.bind(address)
+        notify.setblocking(False)
+        child_env = {**os.environ, **self.environment, **env, "NOTIFY_SOCKET": "@" + address[1:]}
+        child_env.pop("LISTEN_FDS", None)
+        child_env.pop("LISTEN_PID", None)
+        ready: asyncio.Future[None] = loop.create_future()
+
+        def on_datagram() -> None:
+            while True:
+                try:
+                    data = notify.recv(4096)
+                except BlockingIOError:
+                    return
+                for line in data.decode(errors="replace").splitlines():
+                    if line == "READY=1" and not ready.done():
+                        ready.set_result(None)
+
+        loop.add_reader(notify.fileno(), on_datagram)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.argv,
+                env=child_env,
+                cwd=self.working_directory,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        except OSError as e:
+            loop.remove_reader(notify.fileno())
+            notify.close()
+            raise StartFailed(f"failed to run the worker wrapper: {e}") from None
+        proc = self.proc
+        self._tasks = [loop.create_task(self._pump_output(proc))]
+        exited = loop.create_task(proc.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {ready, exited}, timeout=self.start_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if ready in done:
+                self._tasks.append(loop.create_task(self._watch(proc, exited)))
+                return
+            if exited in done:
+                await asyncio.sleep(0.05)  # let the last output lines arrive
+                raise StartFailed(
+                    f"worker failed to start: {describe_status(exited.result())}", list(self.tail)
+                )
+            await self._terminate(proc)
+            raise StartFailed(
+                f"worker did not become ready within {self.start_timeout_s:g} s", list(self.tail)
+            )
+        finally:
+            loop.remove_reader(notify.fileno())
+            notify.close()
+            if not ready.done():
+                ready.cancel()
+
+    async def _pump_output(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while line := await proc.stdout.readline():
+            text = line.decode(errors="replace").rstrip("\n")
+            self.tail.append(text)
+            self.log(text)
+
+    async def _watch(self, proc: asyncio.subprocess.Process, exited: asyncio.Task[int]) -> None:
+        status = await exited
+        _kill_group(proc.pid)
+        if not self._stopping:
+            await asyncio.sleep(0.05)
+            self._on_exit(f"worker exited: {describe_status(status)}")
+
+    async def _terminate(self, proc: asyncio.subprocess.Process) -> None:
+        """SIGTERM to the wrapper, SIGKILL to everything left after the stop timeout."""
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), self.stop_timeout_s)
+            except TimeoutError:
+                self.log(f"Worker did not stop within {self.stop_timeout_s:g} s, killing it")
+        _kill_group(proc.pid)
+        await proc.wait()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self.proc is not None:
+            await self._terminate(self.proc)
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
+
+    async def pids(self) -> list[int]:
+        if self.proc is None or self.proc.returncode is not None:
+            return []
+        return process_group(self.proc.pid)
+
+    async def memory(self) -> dict[str, int | None]:
+        total = 0
+        for pid in await self.pids():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf(
+                    "SC_PAGE_SIZE"
+                )
+        return {"current": total or None, "max": None}
+
+
+def describe_status(status: int) -> str:
+    if status < 0:
+        return f"killed by signal {signal.Signals(-status).name}"
+    return f"status {status}"
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def process_group(pgid: int) -> list[int]:
+    """The live processes of one process group."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
+def python_executable() -> str:
+    return sys.executable

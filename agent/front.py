@@ -1,0 +1,574 @@
+"""The activated agent ("front"): holds connections, starts the worker once, proxies, releases.
+
+`Front` is the same object under systemd (`python3 -m agent.front SLUG`, socket-activated)
+and in the foreground (`providerctl serve`). One task owns the state (`agent.state`);
+connections, timers and control requests only send it events.
+
+What `ready()` does in each state (the contract every held connection relies on):
+- ready: returns the worker's address at once.
+- idle: starts the worker, then waits like `starting`.
+- starting / stopping: waits for the start (or for the stop, then a fresh start).
+- backoff: refuses at once with 503 and the time left before the next try.
+- more than `max_held` already waiting: refuses at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agent.control import DeviceRules, StartFailed, WorkerControl
+from agent.model import Address, Provider
+from agent.proxy import Unavailable, serve_http, serve_tcp
+from agent.state import Action, Backoff, Event, State, step
+
+# A new connection counts as in flight until its first request arrives, at most this long,
+# so an idle exit never closes a connection whose request is on its way.
+FIRST_REQUEST_GRACE_S = 5.0
+
+Notify = Callable[[str], object]
+
+
+class Admission:
+    """Decides where (and whether) a worker may start: the GPU's say. CPU providers: always."""
+
+    async def admit(self, front: Front) -> tuple[dict[str, str], DeviceRules | None]:
+        """Environment for the worker and its device rules (None: leave them alone)."""
+        return {}, None
+
+    async def started(self, front: Front) -> None:
+        """The worker answers: start watching it."""
+
+    async def released(self, front: Front) -> None:
+        """The worker is gone: give back what admission reserved."""
+
+    def status(self, front: Front) -> dict[str, Any]:
+        return {}
+
+
+class _Lease:
+    __slots__ = ("front", "held")
+
+    def __init__(self, front: Front, held: bool) -> None:
+        self.front = front
+        self.held = held
+        if held:
+            front._lease_begin()
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.front._lease_end()
+
+
+class _Connection:
+    """The Backend one client connection sees: the front, plus its first-request grace."""
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self.slug = front.provider.slug
+        self.request_timeout_s = front.provider.request_timeout_s
+        self.grace: _Lease | None = _Lease(front, True)
+        self.timer = asyncio.get_running_loop().call_later(FIRST_REQUEST_GRACE_S, self.end_grace)
+
+    def end_grace(self) -> None:
+        self.timer.cancel()
+        if self.grace is not None:
+            self.grace.release()
+            self.grace = None
+
+    def lease(self, path: str | None) -> _Lease:
+        held = path is None or path not in self.front.provider.idle_ignore_paths
+        lease = _Lease(self.front, held)
+        self.end_grace()
+        return lease
+
+    async def ready(self) -> tuple[Address, int]:
+        return await self.front.ready()
+
+
+class Front:
+    def __init__(
+        self,
+        provider: Provider,
+        worker: WorkerControl,
+        listeners: list[socket.socket],
+        *,
+        exit_on_idle: bool,
+        notify: Notify = lambda _s: None,
+        log: logging.Logger | None = None,
+        admission: Admission | None = None,
+    ) -> None:
+        self.provider = provider
+        self.worker = worker
+        self.listeners = listeners
+        self.exit_on_idle = exit_on_idle  # systemd: exit when idle; foreground: stop the worker
+        self.notify = notify
+        self.log = log or logging.getLogger(f"providerd.{provider.slug}")
+        self.admission = admission or Admission()
+
+        self.state = State.IDLE
+        self.in_flight = 0
+        self.waiters: list[asyncio.Future[None]] = []
+        self.generation = 0
+        self.address = Address("127.0.0.1", provider.worker_port)
+        self.served = 0
+        self.last_used = time.time()
+        self.last_start: dict[str, Any] | None = None
+        self.failure: str | None = None
+        self.backoff = Backoff()
+        self.backoff_until = 0.0
+        self.done = asyncio.Event()  # set when the front has released everything and should exit
+
+        self._accepting = False
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._backoff_timer: asyncio.TimerHandle | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self._job: asyncio.Task[None] | None = None
+        self._start_began = 0.0
+        self._start_cause = ""
+        self._release_reason = ""
+        self._stopped = asyncio.Event()
+        self._stopped.set()
+        worker.on_exit(self._worker_exited)
+
+    # ------------------------------------------------------------------ accepting
+
+    def start_accepting(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sock in self.listeners:
+            sock.setblocking(False)
+            loop.add_reader(sock.fileno(), self._accept, sock)
+        self._accepting = True
+        self._arm_idle()
+
+    def stop_accepting(self) -> None:
+        """Stop accepting for good: what arrives now waits in the kernel for the next front."""
+        if not self._accepting:
+            return
+        self._accepting = False
+        loop = asyncio.get_running_loop()
+        for sock in self.listeners:
+            loop.remove_reader(sock.fileno())
+            sock.close()  # our copy only; never shutdown(): PID 1 shares the socket
+
+    def _accept(self, sock: socket.socket) -> None:
+        for _ in range(64):
+            try:
+                conn, _peer = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self.log.warning("Failed to accept connection: %s, ignoring", e)
+                return
+            conn.setblocking(False)
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = asyncio.get_running_loop().create_task(self._serve(conn))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        backend = _Connection(self)
+        try:
+            if self.provider.protocol == "http":
+                await serve_http(conn, backend)
+            else:
+                await serve_tcp(conn, backend)
+        finally:
+            backend.end_grace()
+
+    # ------------------------------------------------------------------ leases
+
+    def lease(self, path: str | None) -> _Lease:
+        """One unit of in-flight work (a request, or a TCP connection)."""
+        held = path is None or path not in self.provider.idle_ignore_paths
+        return _Lease(self, held)
+
+    def _lease_begin(self) -> None:
+        self.in_flight += 1
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        self._update_status()
+
+    def _lease_end(self) -> None:
+        self.in_flight -= 1
+        self.served += 1
+        self.last_used = time.time()
+        if self.in_flight == 0:
+            self._arm_idle()
+        self._update_status()
+
+    def _arm_idle(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self._idle_timer = asyncio.get_running_loop().call_later(
+            self.provider.idle_timeout_s, self._idle
+        )
+
+    def _idle(self) -> None:
+        self._idle_timer = None
+        if self.in_flight or self.waiters or self.state == State.STARTING:
+            return
+        idle_s = self.provider.idle_timeout_s
+        if self.exit_on_idle:
+            self.release(f"Idle for {idle_s:g} s, releasing the worker")
+        elif self.state == State.READY:
+            self._dispatch(Event.RELEASE, f"Idle for {idle_s:g} s, releasing the worker")
+
+    # ------------------------------------------------------------------ the worker
+
+    async def ready(self) -> tuple[Address, int]:
+        if self.state == State.READY:
+            return self.address, self.generation
+        if len(self.waiters) >= self.provider.max_held:
+            raise Unavailable(
+                503,
+                f"too many requests waiting for the worker (max_held = {self.provider.max_held})",
+                retry_after_s=1,
+            )
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(future)
+        self._dispatch(Event.DEMAND, "request")
+        try:
+            await asyncio.shield(future)
+        finally:
+            if future in self.waiters:
+                self.waiters.remove(future)
+        return self.address, self.generation
+
+    def warm(self) -> None:
+        """Start the worker with no request (`providerctl warm`, a plain `systemctl start`)."""
+        self._dispatch(Event.DEMAND, "warm")
+
+    def _unavailable(self) -> Unavailable:
+        retry = max(1.0, self.backoff_until - time.monotonic())
+        return Unavailable(503, self.failure or "worker unavailable", retry_after_s=retry)
+
+    def _dispatch(self, event: Event, cause: str = "") -> None:
+        old = self.state
+        self.state, actions = step(old, event)
+        for action in actions:
+            if action == Action.START_WORKER:
+                self._start_cause = cause
+                self._job = asyncio.get_running_loop().create_task(self._start_worker())
+            elif action == Action.STOP_WORKER:
+                self._release_reason = cause
+                self._job = asyncio.get_running_loop().create_task(self._stop_worker())
+            elif action == Action.WAKE_WAITERS:
+                for future in self.waiters:
+                    if not future.done():
+                        future.set_result(None)
+                self.waiters.clear()
+            elif action == Action.FAIL_WAITERS:
+                error = self._unavailable()
+                for future in self.waiters:
+                    if not future.done():
+                        future.set_exception(error)
+                        future.exception()  # retrieved here; the waiter re-raises it
+                self.waiters.clear()
+            elif action == Action.ARM_BACKOFF:
+                self.failure = cause
+                delay = self.backoff.next_delay()
+                self.backoff_until = time.monotonic() + delay
+                if self._backoff_timer is not None:
+                    self._backoff_timer.cancel()
+                self._backoff_timer = asyncio.get_running_loop().call_later(
+                    delay, self._dispatch, Event.BACKOFF_OVER, "backoff over"
+                )
+            elif action == Action.RESET_BACKOFF:
+                self.backoff.reset()
+                self.failure = None
+            elif action == Action.ARM_IDLE and self.in_flight == 0:
+                self._arm_idle()
+        if self.state == State.IDLE and self.waiters and self._accepting:
+            self._dispatch(Event.DEMAND, "request")  # demands that waited out a stop
+        self._update_status()
+
+    async def _start_worker(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._start_began = loop.time()
+        self._stopped.clear()
+        waiting = len(self.waiters)
+        cause = "on request" if self._start_cause == "request" else f"({self._start_cause})"
+        self.log.info(
+            "Starting worker %s%s", cause, f", {waiting} request(s) waiting" if waiting else ""
+        )
+        try:
+            port = self.provider.worker_port or free_port()
+            self.address = Address("127.0.0.1", port)
+            env, devices = await self.admission.admit(self)
+            env = {"PROVIDERD_WORKER_PORT": str(port), **env}
+            await asyncio.wait_for(
+                self.worker.start(env, devices), self.provider.start_timeout_s + 60
+            )
+        except (StartFailed, Unavailable, TimeoutError, OSError) as e:
+            took = loop.time() - self._start_began
+            reason, tail = _describe_failure(e, self.provider.start_timeout_s)
+            self.last_start = {"at": time.time(), "took_s": round(took, 3), "result": reason}
+            if self.state != State.STARTING:
+                return  # released while starting: the stop reports
+            delay = min(self.backoff.cap_s, self.backoff.first_s * 2**self.backoff.failures)
+            self.log.error(
+                "Failed to start worker: %s; refusing requests for %g s%s",
+                reason,
+                delay,
+                "".join(f"\n  {line}" for line in tail),
+            )
+            await self.admission.released(self)
+            self._stopped.set()
+            if isinstance(e, Unavailable):
+                self._dispatch(Event.START_FAILED, e.error)
+            else:
+                self._dispatch(Event.START_FAILED, reason)
+            return
+        if self.state != State.STARTING:
+            await self.worker.stop()  # released while it started
+            return
+        took = loop.time() - self._start_began
+        self.generation += 1
+        self.last_start = {"at": time.time(), "took_s": round(took, 3), "result": "ready"}
+        self.log.info("Worker ready after %.1f s", took)
+        await self.admission.started(self)
+        self._dispatch(Event.STARTED)
+
+    async def _stop_worker(self) -> None:
+        began = asyncio.get_running_loop().time()
+        if self._release_reason:
+            self.log.info("%s", self._release_reason)
+        await self.worker.stop()
+        await self.admission.released(self)
+        self.log.info(
+            "Worker stopped after %.1f s", asyncio.get_running_loop().time() - began
+        )
+        self._stopped.set()
+        self._dispatch(Event.STOPPED)
+
+    def _worker_exited(self, reason: str) -> None:
+        if self.state == State.READY:
+            self.log.error("Worker exited unexpectedly: %s", reason)
+            loop = asyncio.get_running_loop()
+            loop.create_task(self.admission.released(self))
+            self._stopped.set()
+        self._dispatch(Event.WORKER_EXITED, reason)
+
+    # ------------------------------------------------------------------ control
+
+    def release(self, reason: str) -> None:
+        """Let go for good (systemd mode): stop accepting, say STOPPING, stop the worker, exit."""
+        self.stop_accepting()
+        self.notify(f"STOPPING=1\nSTATUS={reason}")
+        loop = asyncio.get_running_loop()
+        loop.create_task(self._release(reason))
+
+    async def _release(self, reason: str) -> None:
+        if self.state in (State.READY, State.STARTING):
+            self._dispatch(Event.RELEASE, reason)
+        else:
+            self.log.info("%s", reason)
+        await self._stopped.wait()
+        for task in list(self._connections):
+            task.cancel()
+        self.done.set()
+
+    async def stop(self, grace_s: float) -> dict[str, Any]:
+        """Release now, letting requests in flight finish within `grace_s`."""
+        if self.in_flight:
+            self.log.info("Stopping: waiting up to %g s for %d request(s)", grace_s, self.in_flight)
+            deadline = time.monotonic() + grace_s
+            while self.in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        cut = self.in_flight
+        reason = "Stopping on request" + (f", cutting {cut} request(s)" if cut else "")
+        if self.exit_on_idle:
+            self.release(reason)
+            await self.done.wait()
+        elif self.state in (State.READY, State.STARTING):
+            self._dispatch(Event.RELEASE, reason)
+            await self._stopped.wait()
+        return {"stopped": True, "cut": cut}
+
+    async def retire(self) -> dict[str, Any]:
+        """Give the card back for another provider, unless something is in flight."""
+        busy = self.in_flight + len(self.waiters)
+        if busy:
+            return {"retired": False, "busy": busy}
+        if self.state not in (State.READY, State.STARTING):
+            return {"retired": True}
+        reason = "Retiring the worker to make room on the GPU"
+        if self.exit_on_idle:
+            self.release(reason)
+        else:
+            self._dispatch(Event.RELEASE, reason)
+        await self._stopped.wait()
+        return {"retired": True}
+
+    async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The control socket's requests."""
+        op = request.get("op")
+        if op == "status":
+            return await self.status()
+        if op == "warm":
+            if self.state != State.READY:
+                self.warm()
+                while self.state in (State.STARTING, State.STOPPING, State.IDLE):
+                    if self.state == State.IDLE and self._job is None:
+                        break
+                    await asyncio.sleep(0.05)
+            return {"state": self.state.value, "error": self.failure}
+        if op == "stop":
+            return await self.stop(float(request.get("grace_s", self.provider.stop_timeout_s)))
+        if op == "retire":
+            return await self.retire()
+        return {"error": f"unknown op {op!r}"}
+
+    async def status(self) -> dict[str, Any]:
+        idle_for = None
+        if self.in_flight == 0 and self.state == State.READY:
+            idle_for = round(time.time() - self.last_used, 1)
+        retry = None
+        if self.state == State.BACKOFF:
+            retry = round(max(0.0, self.backoff_until - time.monotonic()), 1)
+        try:
+            memory = await asyncio.wait_for(self.worker.memory(), 2)
+        except Exception:
+            memory = {"current": None, "max": None}
+        return {
+            "slug": self.provider.slug,
+            "state": self.state.value,
+            "in_flight": self.in_flight,
+            "waiting": len(self.waiters),
+            "served": self.served,
+            "idle_for_s": idle_for,
+            "last_used": self.last_used,
+            "last_start": self.last_start,
+            "failure": self.failure,
+            "retry_after_s": retry,
+            "memory": memory,
+            "gpu": self.admission.status(self),
+        }
+
+    def _update_status(self) -> None:
+        if self.state == State.READY:
+            text = f"Serving: {self.in_flight} in flight, {self.served} served"
+        elif self.state == State.STARTING:
+            text = f"Loading the worker, {len(self.waiters)} request(s) waiting"
+        elif self.state == State.BACKOFF:
+            text = f"Worker unavailable ({self.failure}); next try after the backoff"
+        elif self.state == State.STOPPING:
+            text = "Releasing the worker"
+        else:
+            text = "Idle, worker not running"
+        self.notify(f"STATUS={text}")
+
+
+def free_port() -> int:
+    """A free loopback port for the worker (in the front's network namespace)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _describe_failure(e: BaseException, timeout_s: float) -> tuple[str, list[str]]:
+    if isinstance(e, StartFailed):
+        return e.reason, e.log_tail
+    if isinstance(e, Unavailable):
+        return e.error, []
+    if isinstance(e, TimeoutError):
+        return f"worker did not become ready within {timeout_s:g} s", []
+    return f"{e}", []
+
+
+# ---------------------------------------------------------------------------- systemd entry
+
+
+def inherited_listeners() -> list[socket.socket]:
+    """The listening sockets systemd passed us, checked to be listening stream sockets."""
+    from systemd import daemon
+
+    fds = daemon.listen_fds_with_names(unset_environment=True)
+    listeners = []
+    for fd in sorted(fds):
+        if not daemon.is_socket(fd, socket.AF_UNSPEC, socket.SOCK_STREAM, 1):
+            raise SystemExit(f"File descriptor {fd} is not a listening stream socket, refusing to start")
+        listeners.append(socket.socket(fileno=fd))
+    if not listeners:
+        raise SystemExit("No listening socket received; start provider@SLUG.socket, not the service")
+    return listeners
+
+
+async def run_systemd(slug: str) -> int:
+    """The front as `provider@SLUG.service` runs it."""
+    import signal
+
+    from agent import paths, rpc
+    from agent.control import SystemdWorker
+    from agent.manifest import ManifestError, load
+    from agent.notify import notify
+    from agent.systemd import DbusSystemd
+
+    log = logging.getLogger(f"providerd.{slug}")
+    try:
+        provider = load(slug)
+    except ManifestError as e:
+        for problem in e.problems:
+            log.error("Failed to load manifest: %s", problem)
+        return 1
+    listeners = inherited_listeners()
+    bus = DbusSystemd()
+    await bus.connect()
+    worker = SystemdWorker(bus, slug, provider.start_timeout_s)
+    front = Front(
+        provider,
+        worker,
+        listeners,
+        exit_on_idle=True,
+        notify=notify,
+        log=log,
+        admission=admission_for(provider, worker),
+    )
+    server = await rpc.serve(paths.control_socket(slug), front.handle)
+    front.start_accepting()
+    notify("READY=1")
+    front.warm()  # activated by a connection (it waits in the queue) or by a plain start
+    loop = asyncio.get_running_loop()
+    grace = provider.stop_timeout_s
+    loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(front.stop(grace)))
+    await front.done.wait()
+    server.close()
+    bus.close()
+    return 0
+
+
+def admission_for(provider: Provider, worker: WorkerControl) -> Admission:
+    """GPU admission for GPU providers; CPU providers always fit."""
+    if not provider.uses_gpu:
+        return Admission()
+    from agent.gpu_admission import GpuAdmission
+
+    return GpuAdmission(provider, worker)
+
+
+def main(argv: list[str]) -> int:
+    from agent.log import setup
+
+    if len(argv) != 1:
+        print("usage: python3 -m agent.front SLUG", flush=True)
+        return 2
+    setup(journal=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        return asyncio.run(run_systemd(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,137 @@
+"""systemd's D-Bus API, behind one small interface.
+
+`DbusSystemd` talks to PID 1 with dbus-next; tests drive the same callers with
+`tests/fakes/fake_systemd.py`, which models jobs, signals and their races.
+
+The races this guards against (research/systemd.md §7):
+- `JobRemoved` can be dispatched before the `StartUnit` reply reaches us, so
+  results of jobs nobody waits for yet are kept until someone asks.
+- A unit nobody pins is garbage-collected: always `LoadUnit`, never `GetUnit`.
+- Signals only flow after `Subscribe()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+SD = "org.freedesktop.systemd1"
+SD_PATH = "/org/freedesktop/systemd1"
+
+StateCallback = Callable[[str, str], None]  # (ActiveState, SubState)
+
+
+class Systemd(Protocol):
+    async def start_unit(self, name: str) -> str:
+        """Start `name` ("replace" mode) and wait for its job: "done", "failed", "timeout", …"""
+        ...
+
+    async def stop_unit(self, name: str) -> str: ...
+
+    async def get(self, name: str, interface: str, prop: str) -> Any:
+        """One property, e.g. ("Service", "Result"). `interface` is the short name."""
+        ...
+
+    async def set_properties(self, name: str, props: Sequence[tuple[str, str, Any]]) -> None:
+        """SetUnitProperties(runtime=true) with (name, D-Bus signature, value) triples."""
+        ...
+
+    async def watch(self, name: str, callback: StateCallback) -> None:
+        """Call `callback(active_state, sub_state)` whenever the unit's state changes."""
+        ...
+
+    async def unit_pids(self, name: str) -> list[int]: ...
+
+
+class DbusSystemd:
+    """The real thing: PID 1 over the system bus."""
+
+    def __init__(self) -> None:
+        self._bus: Any = None
+        self._manager: Any = None
+        self._waiting: dict[str, asyncio.Future[str]] = {}
+        self._finished: dict[str, str] = {}
+        self._units: dict[str, Any] = {}  # name -> proxy object
+
+    async def connect(self) -> None:
+        from dbus_next import BusType
+        from dbus_next.aio import MessageBus
+
+        self._bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
+        introspection = await self._bus.introspect(SD, SD_PATH)
+        obj = self._bus.get_proxy_object(SD, SD_PATH, introspection)
+        self._manager = obj.get_interface(SD + ".Manager")
+        self._manager.on_job_removed(self._on_job_removed)
+        await self._manager.call_subscribe()
+
+    def close(self) -> None:
+        if self._bus is not None:
+            self._bus.disconnect()
+
+    def _on_job_removed(self, _id: int, job: str, _unit: str, result: str) -> None:
+        future = self._waiting.pop(job, None)
+        if future is not None and not future.done():
+            future.set_result(result)
+        else:
+            self._finished[job] = result
+
+    async def _wait_job(self, job: str) -> str:
+        if job in self._finished:
+            return self._finished.pop(job)
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._waiting[job] = future
+        return await future
+
+    async def _unit(self, name: str) -> Any:
+        unit = self._units.get(name)
+        if unit is None:
+            path = await self._manager.call_load_unit(name)
+            introspection = await self._bus.introspect(SD, path)
+            unit = self._bus.get_proxy_object(SD, path, introspection)
+            self._units[name] = unit
+        return unit
+
+    async def start_unit(self, name: str) -> str:
+        await self._unit(name)
+        job = await self._manager.call_start_unit(name, "replace")
+        return await self._wait_job(job)
+
+    async def stop_unit(self, name: str) -> str:
+        await self._unit(name)
+        job = await self._manager.call_stop_unit(name, "replace")
+        return await self._wait_job(job)
+
+    async def get(self, name: str, interface: str, prop: str) -> Any:
+        unit = await self._unit(name)
+        props = unit.get_interface("org.freedesktop.DBus.Properties")
+        variant = await props.call_get(f"{SD}.{interface}", prop)
+        return variant.value
+
+    async def set_properties(self, name: str, props: Sequence[tuple[str, str, Any]]) -> None:
+        from dbus_next import Variant
+
+        await self._unit(name)
+        await self._manager.call_set_unit_properties(
+            name, True, [[key, Variant(sig, value)] for key, sig, value in props]
+        )
+
+    async def watch(self, name: str, callback: StateCallback) -> None:
+        unit = await self._unit(name)
+        props = unit.get_interface("org.freedesktop.DBus.Properties")
+        iface = unit.get_interface(SD + ".Unit")
+
+        async def refresh() -> None:
+            callback(await iface.get_active_state(), await iface.get_sub_state())
+
+        def changed(interface: str, values: dict[str, Any], _invalidated: list[str]) -> None:
+            if interface == SD + ".Unit" and "ActiveState" in values:
+                sub = values["SubState"].value if "SubState" in values else ""
+                callback(values["ActiveState"].value, sub)
+
+        props.on_properties_changed(changed)
+        await refresh()
+
+    async def unit_pids(self, name: str) -> list[int]:
+        processes = await self._manager.call_get_unit_processes(name)
+        return [int(pid) for _cgroup, pid, _cmd in processes]

@@ -1,0 +1,125 @@
+"""A faithful in-memory stand-in for systemd's D-Bus API (the `agent.systemd.Systemd` interface).
+
+It models what the callers depend on: start jobs that end "done" only once a
+Type=notify unit is ready, "failed" with a Result when it is not, conditions that
+make a start a no-op, state-change signals (delivered from the event loop, possibly
+before the caller resumes), stop jobs, and runtime properties.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.systemd import StateCallback
+
+
+@dataclass
+class Behaviour:
+    """What happens when the unit is started."""
+
+    delay_s: float = 0.0
+    result: str = "success"  # "success" | "exit-code" | "timeout" | "oom-kill" | "signal"
+    status: int = 0
+    condition_path: str | None = None  # ConditionPathExists=
+
+
+@dataclass
+class Unit:
+    name: str
+    active: str = "inactive"
+    sub: str = "dead"
+    result: str = "success"
+    status: int = 0
+    properties: dict[str, list[Any]] = field(default_factory=dict)
+    watchers: list[StateCallback] = field(default_factory=list)
+    behaviour: Behaviour = field(default_factory=Behaviour)
+    starts: int = 0
+    pids: list[int] = field(default_factory=list)
+    memory_current: int = 2**64 - 1
+    memory_max: int = 2**64 - 1
+
+
+class FakeSystemd:
+    def __init__(self) -> None:
+        self.units: dict[str, Unit] = {}
+        self.calls: list[tuple[str, str]] = []
+
+    def unit(self, name: str) -> Unit:
+        return self.units.setdefault(name, Unit(name))
+
+    def _set(self, unit: Unit, active: str, sub: str) -> None:
+        unit.active, unit.sub = active, sub
+        loop = asyncio.get_running_loop()
+        for callback in list(unit.watchers):
+            loop.call_soon(callback, active, sub)
+
+    async def start_unit(self, name: str) -> str:
+        self.calls.append(("start", name))
+        unit = self.unit(name)
+        b = unit.behaviour
+        if unit.active == "active":
+            return "done"
+        if b.condition_path is not None and not os.path.exists(b.condition_path):
+            return "done"  # condition unmet: the job is done, the unit stays inactive
+        unit.starts += 1
+        self._set(unit, "activating", "start")
+        await asyncio.sleep(b.delay_s)
+        if unit.active != "activating":
+            return "canceled"  # stopped while starting
+        unit.result, unit.status = b.result, b.status
+        if b.result == "success":
+            self._set(unit, "active", "running")
+            return "done"
+        self._set(unit, "failed", "failed")
+        return "timeout" if b.result == "timeout" else "failed"
+
+    async def stop_unit(self, name: str) -> str:
+        self.calls.append(("stop", name))
+        unit = self.unit(name)
+        if unit.active in ("inactive", "failed"):
+            return "done"
+        self._set(unit, "deactivating", "stop-sigterm")
+        await asyncio.sleep(0)
+        self._set(unit, "inactive", "dead")
+        return "done"
+
+    def crash(self, name: str, result: str = "exit-code", status: int = 1) -> None:
+        """The unit's main process dies on its own."""
+        unit = self.unit(name)
+        unit.result, unit.status = result, status
+        self._set(unit, "failed", "failed")
+
+    async def get(self, name: str, interface: str, prop: str) -> Any:
+        unit = self.unit(name)
+        values: dict[tuple[str, str], Any] = {
+            ("Unit", "ActiveState"): unit.active,
+            ("Unit", "SubState"): unit.sub,
+            ("Service", "Result"): unit.result,
+            ("Service", "ExecMainStatus"): unit.status,
+            ("Service", "MemoryCurrent"): unit.memory_current,
+            ("Service", "MemoryMax"): unit.memory_max,
+        }
+        return values[(interface, prop)]
+
+    async def set_properties(self, name: str, props: Sequence[tuple[str, str, Any]]) -> None:
+        self.calls.append(("set-property", name))
+        unit = self.unit(name)
+        for key, _sig, value in props:
+            if key == "DeviceAllow" and value == []:
+                unit.properties[key] = []  # an empty list resets, as systemd does
+            else:
+                unit.properties.setdefault(key, []).extend(
+                    value if isinstance(value, list) else [value]
+                )
+
+    async def watch(self, name: str, callback: StateCallback) -> None:
+        unit = self.unit(name)
+        unit.watchers.append(callback)
+        callback(unit.active, unit.sub)
+
+    async def unit_pids(self, name: str) -> list[int]:
+        return list(self.unit(name).pids)

@@ -1,0 +1,103 @@
+"""SystemdWorker against the fake D-Bus boundary: what a start, a failure and a crash look like."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from agent.control import StartFailed, SystemdWorker
+from tests.fakes.fake_systemd import Behaviour, FakeSystemd
+
+UNIT = "provider-worker@demo.service"
+
+
+@pytest.fixture(autouse=True)
+def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("PROVIDERD_RUNTIME_DIR", str(tmp_path))
+    return tmp_path
+
+
+def make(fake: FakeSystemd, **behaviour: object) -> SystemdWorker:
+    fake.unit(UNIT).behaviour = Behaviour(**behaviour)  # type: ignore[arg-type]
+    return SystemdWorker(fake, "demo", start_timeout_s=5)
+
+
+def test_start_writes_env_then_starts(runtime: Path) -> None:
+    fake = FakeSystemd()
+    worker = make(fake, condition_path=str(runtime / "demo" / "worker.env"))
+
+    async def go() -> None:
+        await worker.start({"PROVIDERD_WORKER_PORT": "4242", "X": 'a "b" $c'}, None)
+
+    asyncio.run(go())
+    text = (runtime / "demo" / "worker.env").read_text()
+    assert 'PROVIDERD_WORKER_PORT="4242"' in text
+    assert 'X="a \\"b\\" \\$c"' in text
+    assert fake.unit(UNIT).active == "active"
+    assert fake.unit(UNIT).starts == 1
+
+
+def test_failed_start_names_the_cause() -> None:
+    fake = FakeSystemd()
+    worker = make(fake, result="exit-code", status=3)
+    with pytest.raises(StartFailed, match="status 3"):
+        asyncio.run(worker.start({}, None))
+
+
+def test_timeout_names_the_timeout() -> None:
+    fake = FakeSystemd()
+    worker = make(fake, result="timeout")
+    with pytest.raises(StartFailed, match="within 5 s"):
+        asyncio.run(worker.start({}, None))
+
+
+def test_condition_unmet_is_a_failure() -> None:
+    fake = FakeSystemd()
+    worker = make(fake, condition_path="/nonexistent/worker.env")
+    # The env file is written to the runtime dir, not to the condition path: the job is
+    # "done" but the unit stays inactive, which must not count as ready.
+    with pytest.raises(StartFailed):
+        asyncio.run(worker.start({}, None))
+
+
+def test_device_rules_replace_the_list() -> None:
+    fake = FakeSystemd()
+    worker = make(fake)
+    fake.unit(UNIT).properties["DeviceAllow"] = [("/dev/nvidia7", "rw")]
+    rules = [("/dev/nvidiactl", "rw"), ("/dev/nvidia0", "rw")]
+    asyncio.run(worker.start({}, rules))
+    assert fake.unit(UNIT).properties["DeviceAllow"] == rules
+
+
+def test_crash_after_ready_is_reported_once_with_reason() -> None:
+    fake = FakeSystemd()
+    worker = make(fake)
+    reasons: list[str] = []
+    worker.on_exit(reasons.append)
+
+    async def go() -> None:
+        await worker.start({}, None)
+        fake.crash(UNIT, result="oom-kill")
+        await asyncio.sleep(0.05)
+
+    asyncio.run(go())
+    assert len(reasons) == 1
+    assert "memory limit" in reasons[0]
+
+
+def test_requested_stop_is_not_a_crash() -> None:
+    fake = FakeSystemd()
+    worker = make(fake)
+    reasons: list[str] = []
+    worker.on_exit(reasons.append)
+
+    async def go() -> None:
+        await worker.start({}, None)
+        await worker.stop()
+        await asyncio.sleep(0.05)
+
+    asyncio.run(go())
+    assert reasons == []
+    assert fake.unit(UNIT).active == "inactive"
