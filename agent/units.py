@@ -8,6 +8,7 @@ relative to the generator's output directory to the file's text or a `Link`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -195,6 +196,15 @@ def render(provider: Provider, python: str = PYTHON) -> dict[str, str | Link]:
     return files
 
 
+def digest(provider: Provider) -> str:
+    """A fingerprint of everything generated for one provider."""
+    h = hashlib.sha256()
+    for path, content in sorted(render(provider).items()):
+        text = f"-> {content.target}" if isinstance(content, Link) else content
+        h.update(f"{path}\0{text}\0".encode())
+    return h.hexdigest()[:16]
+
+
 def render_index(providers: list[Provider]) -> str:
     """`providerd.json`: what was generated, for `providerctl reload` to compare against."""
     data = {
@@ -203,6 +213,7 @@ def render_index(providers: list[Provider]) -> str:
                 "source": str(p.source),
                 "addresses": [str(a) for a in p.addresses],
                 "enabled": p.enabled,
+                "digest": digest(p),
             }
             for p in sorted(providers, key=lambda p: p.slug)
         }
