@@ -1,0 +1,225 @@
+"""The front's GPU admission: the `Admission` a GPU provider's front uses.
+
+Before each worker start: admit (`agent.admission.admit`, retiring idle providers
+over their control sockets), hand the worker its `CUDA_VISIBLE_DEVICES` and device
+rules, and start sampling its VRAM. When the worker is gone: store the measured
+peak as the footprint and drop the reservation. Also `cards_status()` for
+`providerctl status`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agent import paths, rpc
+from agent.admission import (
+    DEFAULT_HEADROOM,
+    AdmissionRefused,
+    Admitted,
+    Peers,
+    admit,
+    read_reservations,
+)
+from agent.control import DeviceRules, StartFailed, WorkerControl
+from agent.footprint import Footprints
+from agent.front import Admission
+from agent.gpu import Nvml, NvmlUnavailable, gpu_status, open_nvml
+from agent.model import Provider
+from agent.placement import Holder, Refusal, budget_bytes, device_allow, worker_env
+from agent.state import Event
+from agent.vram import Overage, VramSampler
+
+if TYPE_CHECKING:
+    from agent.front import Front
+
+log = logging.getLogger(__name__)
+
+
+class GpuRefused(StartFailed):
+    """Admission could not fit the provider; `body` is the JSON for the 503."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
+        self.body = refusal.body()
+
+
+class ControlPeers:
+    """`Peers` over the other fronts' control sockets under the runtime directory."""
+
+    def __init__(self, me: str, runtime_dir: Path | None = None, timeout_s: float = 5.0) -> None:
+        self.me = me
+        self.runtime_dir = runtime_dir if runtime_dir is not None else paths.runtime_dir()
+        self.timeout_s = timeout_s
+        self.retire_timeout_s = 120.0
+
+    async def list(self) -> list[Holder]:
+        holders = []
+        for sock in sorted(self.runtime_dir.glob("*/control.sock")):
+            slug = sock.parent.name
+            if slug == self.me:
+                continue
+            try:
+                st = await rpc.acall(sock, {"op": "status"}, self.timeout_s)
+            except (rpc.RpcError, ValueError):
+                continue
+            holder = holder_from_status(slug, st)
+            if holder is not None:
+                holders.append(holder)
+        return holders
+
+    async def retire(self, slug: str) -> bool:
+        sock = self.runtime_dir / slug / "control.sock"
+        try:
+            answer = await rpc.acall(sock, {"op": "retire"}, self.retire_timeout_s)
+        except (rpc.RpcError, ValueError) as e:
+            log.warning("Failed to retire %s: %s", slug, e)
+            return False
+        return answer.get("retired") is True
+
+
+def holder_from_status(slug: str, status: dict[str, Any]) -> Holder | None:
+    """A `Holder` from a front's status object; None if it holds no GPU."""
+    gpu = status.get("gpu") or {}
+    uuids = gpu.get("uuids") or []
+    if not uuids:
+        return None
+    vram = max(int(gpu.get("used_bytes") or 0), int(gpu.get("need_bytes") or 0))
+    busy = int(status.get("in_flight") or 0) + int(status.get("waiting") or 0)
+    return Holder(
+        slug, tuple(str(u) for u in uuids), vram, busy, float(status.get("last_used") or 0)
+    )
+
+
+class GpuAdmission(Admission):
+    def __init__(
+        self,
+        provider: Provider,
+        worker: WorkerControl,
+        *,
+        nvml: Nvml | None = None,
+        peers: Peers | None = None,
+        footprints: Footprints | None = None,
+        headroom_bytes: int = DEFAULT_HEADROOM,
+        runtime_dir: Path | None = None,
+        interval_s: float = 0.2,
+    ) -> None:
+        self.provider = provider
+        self.worker = worker
+        self._nvml = nvml
+        self.runtime_dir = runtime_dir if runtime_dir is not None else paths.runtime_dir()
+        self.peers: Peers = peers or ControlPeers(provider.slug, self.runtime_dir)
+        self.footprints = footprints or Footprints()
+        self.headroom_bytes = headroom_bytes
+        self.interval_s = interval_s
+        self.admitted: Admitted | None = None
+        self.sampler: VramSampler | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.last_overage: Overage | None = None
+
+    def nvml(self) -> Nvml:
+        if self._nvml is None:
+            self._nvml = open_nvml()
+        return self._nvml
+
+    async def admit(self, front: Front) -> tuple[dict[str, str], DeviceRules | None]:
+        try:
+            nvml = self.nvml()
+            self.admitted = await admit(
+                self.provider,
+                nvml,
+                self.peers,
+                self.footprints,
+                timeout_s=self.provider.start_timeout_s,
+                headroom_bytes=self.headroom_bytes,
+                runtime_dir=self.runtime_dir,
+            )
+        except NvmlUnavailable as e:
+            raise StartFailed(str(e)) from None
+        except AdmissionRefused as e:
+            raise GpuRefused(e.refusal) from None
+        a = self.admitted
+        if a.retired:
+            front.log.info(
+                "Retired %s to make room on the GPU; NVML showed the memory free after %.2f s",
+                ", ".join(a.retired),
+                a.freed_wait_s,
+            )
+        front.log.info(
+            "Placed on GPU %s (%s)",
+            ",".join(str(i) for i in a.placement.indices),
+            ",".join(a.placement.uuids),
+        )
+        self._start_sampler(front, nvml, a)
+        return worker_env(a.placement), device_allow(a.placement)
+
+    def _start_sampler(self, front: Front, nvml: Nvml, admitted: Admitted) -> None:
+        async def over(o: Overage) -> None:
+            self.last_overage = o
+            if o.action == "stop":
+                front._dispatch(Event.RELEASE, o.message)
+
+        self.sampler = VramSampler(
+            nvml,
+            self.provider.slug,
+            self.worker.pids,
+            budget_bytes=budget_bytes(self.provider),
+            enforce=self.provider.enforce,
+            on_over=over,
+            on_pids=admitted.set_pids,
+            interval_s=self.interval_s,
+        )
+        self._task = asyncio.get_running_loop().create_task(self.sampler.run())
+
+    async def started(self, front: Front) -> None:
+        pass  # the sampler runs from admission on, so loading is measured too
+
+    async def released(self, front: Front) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self.sampler is not None and self.sampler.peak_bytes > 0:
+            try:
+                self.footprints.record(self.provider.slug, self.sampler.peak_bytes)
+            except OSError as e:
+                front.log.warning("Failed to store the VRAM footprint: %s, ignoring", e)
+        if self.admitted is not None:
+            self.admitted.release()
+            self.admitted = None
+
+    def status(self, front: Front) -> dict[str, Any]:
+        stored = self.footprints.peak(self.provider.slug)
+        current = self.sampler.peak_bytes if self.sampler is not None else 0
+        a = self.admitted
+        return {
+            "uuids": list(a.placement.uuids) if a else [],
+            "indices": list(a.placement.indices) if a else [],
+            "used_bytes": self.sampler.used_bytes if (a and self.sampler) else None,
+            "need_bytes": a.need_bytes if a else None,
+            "budget_bytes": budget_bytes(self.provider),
+            "peak_bytes": max(stored or 0, current) or None,
+            "enforce": self.provider.enforce,
+        }
+
+
+def cards_status(runtime_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Per card: index, uuid, name, total/free/used bytes, processes, held_by (slugs)."""
+    try:
+        nvml = open_nvml()
+    except NvmlUnavailable:
+        return []
+    try:
+        cards = gpu_status(nvml, read_reservations(runtime_dir))
+    except NvmlUnavailable:
+        return []
+    finally:
+        nvml.close()
+    for card in cards:
+        card["held_by"] = [h["slug"] for h in card["held_by"]]
+    return cards
