@@ -104,7 +104,7 @@ def _range(key: Key, value: float, unit: str = "") -> None:
     lo, hi = key.low, key.high
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         got = int(value) if float(value).is_integer() else value
-        raise _Invalid(f"must be between {key.range_text()}{unit}, got {got}")
+        raise _Invalid(f"must be from {key.range_text()}{unit}, got {got}")
 
 
 def _conv_string(value: object, key: Key, host: Host) -> str:
@@ -177,7 +177,7 @@ def parse_address(text: str) -> Address:
             hint = " (write IPv6 addresses as [addr]:port)" if ":" in host else ""
             raise _Invalid(f"{_q(host)} is not an IPv4 address{hint}; {forms}") from None
     if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise _Invalid(f"port must be between 1 and 65535, got {_q(port)} in {_q(text)}")
+        raise _Invalid(f"port must be from 1 to 65535, got {_q(port)} in {_q(text)}")
     return Address(str(addr), int(port))
 
 
@@ -354,9 +354,7 @@ def _conv_percent(value: object, key: Key, host: Host) -> int:
         raise _Invalid(f'expected a percentage such as "400%" (100% = one CPU), got {_q(value)}')
     pct = int(m.group(1))
     if not 1 <= pct <= top:
-        raise _Invalid(
-            f"must be between 1% and {top}% ({host.cpu_count} CPUs here), got {_q(value)}"
-        )
+        raise _Invalid(f"must be from 1% to {top}% ({host.cpu_count} CPUs here), got {_q(value)}")
     return pct
 
 
@@ -488,36 +486,42 @@ def validate(data: dict[str, Any], slug: str, source: Path, host: Host) -> Provi
 
     values: dict[str, Any] = {}
     present: set[str] = set()
-    tables: dict[str, dict[str, Any]] = {"": {}}
-    for name, value in data.items():
+    broken: set[str] = set()  # tables that are not tables
+
+    def take(section: str, name: str, value: object) -> None:
+        dotted = f"{section}.{name}" if section else name
+        key = BY_DOTTED.get(dotted)
+        if key is None:
+            problem(dotted, "unknown key" + _did_you_mean(section, name))
+            return
+        try:
+            values[_field(key)] = _CONVERTERS[key.kind](value, key, host)
+            present.add(dotted)
+        except _Invalid as e:
+            problem(dotted, str(e))
+
+    tables: set[str] = set()
+    for name, value in data.items():  # in file order, so problems are too
         if name in SECTIONS and name:
             if not isinstance(value, dict):
                 problem(name, f"expected a table [{name}], got {_q(value)}")
+                broken.add(name)
                 continue
-            tables[name] = value
-        elif isinstance(value, dict) and not BY_DOTTED.get(name):
+            tables.add(name)
+            for sub, v in value.items():
+                take(name, sub, v)
+        elif isinstance(value, dict) and name not in BY_DOTTED:
             problem(name, _unknown_table(name))
         else:
-            tables[""][name] = value
-
-    for section, table in tables.items():
-        for name, value in table.items():
-            dotted = f"{section}.{name}" if section else name
-            key = BY_DOTTED.get(dotted)
-            if key is None:
-                problem(dotted, "unknown key" + _did_you_mean(section, name))
-                continue
-            try:
-                values[_field(key)] = _CONVERTERS[key.kind](value, key, host)
-                present.add(dotted)
-            except _Invalid as e:
-                problem(dotted, str(e))
+            take("", name, value)
 
     for key in KEYS:
+        reported = any(p.key == key.dotted for p in problems)
         if (
             key.required
             and key.dotted not in present
-            and not any(p.key == key.dotted for p in problems)
+            and not reported
+            and key.section not in broken
         ):
             problem(key.dotted, 'required key is missing (an address such as "127.0.0.1:8008")')
 
@@ -741,6 +745,7 @@ def _scan(dirs: Iterable[Path], host: Host) -> tuple[list[Provider], list[Proble
                 continue  # a higher-priority directory declares it
             seen.add(slug)
             if len(manifests) > 1:
+                manifests.sort(key=str)
                 for m in manifests:
                     others = ", ".join(str(o) for o in manifests if o != m)
                     problems.append(
