@@ -17,6 +17,8 @@ Start
     --exit-at-start C   after the start delay, exit with status C without listening
     --never-listen      after the start delay, never listen (sleep until signalled)
     --never-ready       listen, but GET /health answers 503 forever (and no --notify)
+    --ready-after S     listen, but GET /health answers 503 until S seconds after the
+                        start (--notify then waits as long)
     --notify            once listening, send READY=1 to $NOTIFY_SOCKET itself
     --memory-mb M       hold M MiB, every page touched, from the start
     --grow-mb-per-s R   then grow by R MiB per second, touched, until killed
@@ -62,6 +64,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 CRASH_STATUS = 3
+READY_AT = 0.0  # time.monotonic() from which /health answers 200
 UNCOUNTED = ("/health", "/pid")
 
 
@@ -79,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exit-at-start", type=int)
     p.add_argument("--never-listen", action="store_true")
     p.add_argument("--never-ready", action="store_true")
+    p.add_argument("--ready-after", type=float, default=0.0)
     p.add_argument("--notify", action="store_true")
     p.add_argument("--memory-mb", type=int, default=0)
     p.add_argument("--grow-mb-per-s", type=float, default=0.0)
@@ -107,6 +111,12 @@ def sd_notify(state: str) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         s.sendto(state.encode(), address)
     return True
+
+
+def notify_when_ready(where: str) -> None:
+    sd_notify("STATUS=misbehave loading")
+    time.sleep(max(0.0, READY_AT - time.monotonic()))
+    sd_notify(f"READY=1\nSTATUS=misbehave serving on {where}")
 
 
 class Memory:
@@ -164,7 +174,7 @@ class Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         length = self.read_body()
         if self.command == "GET" and url.path == "/health":
-            if a.never_ready:
+            if a.never_ready or time.monotonic() < READY_AT:
                 self.send_json(503, {"status": "loading"})
             else:
                 self.send_json(200, {"status": "ok"})
@@ -273,7 +283,9 @@ class UnixServer(ThreadingUnixStreamServer):
 
 
 def main(argv: list[str] | None = None) -> int:
+    global READY_AT
     a = parse_args(argv)
+    READY_AT = time.monotonic() + a.ready_after
     if a.pid_file:
         with open(a.pid_file, "w") as f:
             f.write(f"{os.getpid()}\n")
@@ -305,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{a.host}:{a.port}"
     log(f"listening on {where}")
     if a.notify and not a.never_ready:
-        sd_notify(f"READY=1\nSTATUS=misbehave serving on {where}")
+        threading.Thread(target=notify_when_ready, args=(where,), daemon=True).start()
     server.serve_forever(poll_interval=0.1)
     del memory
     return 0
