@@ -95,9 +95,9 @@ def generate(providers: list[Provider], out: Path) -> list[str]:
     return failures
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], log: Log | None = None) -> int:
     """The generator: `argv` is what follows the program name (normal [early late])."""
-    log = Log()
+    log = log or Log()
     try:
         if not argv:
             log("Failed to run: expected the output directory as the first argument")
