@@ -1,0 +1,117 @@
+#!/usr/bin/python3
+"""A model worker for the container and VM tiers: it reports what it saw.
+
+At start it can allocate memory, try to start threads and try to open a device, then
+it serves HTTP on --port. Every GET answers one JSON object: its argv, environment,
+and the outcome of those probes. `GET /alloc?mb=N` allocates N MiB more while
+serving. Standard library only; it runs as the worker's (dynamic) user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+HELD: list[bytearray] = []
+
+
+def allocate(mb: int) -> None:
+    for _ in range(mb):
+        block = bytearray(1 << 20)
+        for i in range(0, len(block), 4096):  # touch every page: resident, not just reserved
+            block[i] = 1
+        HELD.append(block)
+
+
+def try_threads(n: int) -> int:
+    release = threading.Event()
+    started: list[threading.Thread] = []
+    for _ in range(n):
+        t = threading.Thread(target=release.wait, daemon=True)
+        try:
+            t.start()
+        except RuntimeError:  # "can't start new thread": EAGAIN from clone()
+            break
+        started.append(t)
+    release.set()
+    for t in started:
+        t.join()
+    return len(started)
+
+
+def try_open(path: str) -> str:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOCTTY)
+    except OSError as e:
+        return errno.errorcode.get(e.errno or 0, str(e.errno))
+    os.close(fd)
+    return "ok"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--alloc-mb", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--open", default="")
+    ap.add_argument(
+        "--exit", type=int, default=None, help="exit with this status instead of serving"
+    )
+    ap.add_argument("rest", nargs="*", help="ignored; echoed back in argv")
+    args = ap.parse_args()
+
+    if args.exit is not None:
+        print(
+            f"probe worker: exiting with status {args.exit} as asked", file=sys.stderr, flush=True
+        )
+        return int(args.exit)
+    allocate(args.alloc_mb)
+    report: dict[str, object] = {
+        "argv": sys.argv,
+        "env": dict(os.environ),
+        "pid": os.getpid(),
+        "uid": os.getuid(),
+        "alloc_mb": args.alloc_mb,
+    }
+    if args.threads:
+        report["threads_started"] = try_threads(args.threads)
+    if args.open:
+        report["open"] = try_open(args.open)
+    print(
+        f"probe worker: serving on {args.host}:{args.port}: {json.dumps(report)[:400]}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"  # one request per connection
+
+        def do_GET(self) -> None:
+            url = urlparse(self.path)
+            if url.path == "/alloc":
+                mb = int(parse_qs(url.query).get("mb", ["0"])[0])
+                allocate(mb)
+                report["alloc_mb"] = int(str(report["alloc_mb"])) + mb
+            body = json.dumps(report).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *a: object) -> None:
+            pass
+
+    ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
