@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""A real CUDA process for the GPU tier, with nothing installed: the driver API via ctypes.
+
+cuda_worker.py hold BYTES          allocate BYTES on device 0 (as CUDA_VISIBLE_DEVICES
+                                   shows it), print one JSON line, sleep until killed
+cuda_worker.py serve --port P --bytes N
+                                   an HTTP model: GET /health, GET /info (pid, env, PCI bus
+                                   id, bytes held), GET /alloc?bytes=N (hold N more),
+                                   GET /slow?s=S (answer after S seconds)
+cuda_worker.py probe               print {"devices": n} or {"error": "..."} and exit
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+CHUNK = 4 << 30
+
+
+class Cuda:
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        lib = self.lib
+        lib.cuInit.argtypes = [ctypes.c_uint]
+        lib.cuDeviceGetCount.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+        lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+        lib.cuMemsetD8_v2.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t]
+        lib.cuDeviceGetPCIBusId.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+        lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self.check(lib.cuInit(0), "cuInit")
+        self.ctx = ctypes.c_void_p()
+        self.dev = ctypes.c_int()
+        self.ptrs: list[int] = []
+        self.held = 0
+        self.lock = threading.Lock()
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise RuntimeError(f"{what} failed: {(name.value or b'?').decode()} ({rc})")
+
+    def count(self) -> int:
+        n = ctypes.c_int()
+        self.check(self.lib.cuDeviceGetCount(ctypes.byref(n)), "cuDeviceGetCount")
+        return n.value
+
+    def open(self) -> None:
+        self.check(self.lib.cuDeviceGet(ctypes.byref(self.dev), 0), "cuDeviceGet")
+        self.check(
+            self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), self.dev),
+            "cuDevicePrimaryCtxRetain",
+        )
+        self.current()
+
+    def current(self) -> None:
+        self.check(self.lib.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+
+    def bus_id(self) -> str:
+        buf = ctypes.create_string_buffer(64)
+        self.check(self.lib.cuDeviceGetPCIBusId(buf, 64, self.dev), "cuDeviceGetPCIBusId")
+        return buf.value.decode()
+
+    def alloc(self, nbytes: int) -> None:
+        with self.lock:
+            self.current()
+            while nbytes > 0:
+                n = min(nbytes, CHUNK)
+                ptr = ctypes.c_uint64()
+                self.check(self.lib.cuMemAlloc_v2(ctypes.byref(ptr), n), f"cuMemAlloc({n})")
+                self.check(self.lib.cuMemsetD8_v2(ptr.value, 1, n), "cuMemsetD8")
+                self.ptrs.append(ptr.value)
+                self.held += n
+                nbytes -= n
+
+
+def info(cuda: Cuda) -> dict[str, object]:
+    return {
+        "pid": os.getpid(),
+        "bus_id": cuda.bus_id(),
+        "held_bytes": cuda.held,
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER"),
+    }
+
+
+def serve(cuda: Cuda, port: int) -> None:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+        def reply(self, code: int, body: dict[str, object]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            url = urlsplit(self.path)
+            q = parse_qs(url.query)
+            try:
+                if url.path == "/health":
+                    self.reply(200, {"ok": True})
+                elif url.path == "/info":
+                    self.reply(200, info(cuda))
+                elif url.path == "/alloc":
+                    cuda.alloc(int(q["bytes"][0]))
+                    self.reply(200, info(cuda))
+                elif url.path == "/slow":
+                    time.sleep(float(q.get("s", ["1"])[0]))
+                    self.reply(200, info(cuda))
+                else:
+                    self.reply(404, {"error": "no such path"})
+            except Exception as e:  # report, keep serving
+                self.reply(500, {"error": str(e)})
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server.daemon_threads = True
+    server.serve_forever()
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["probe"]:
+        try:
+            print(json.dumps({"devices": Cuda().count()}))
+        except (OSError, RuntimeError) as e:
+            print(json.dumps({"error": str(e)}))
+        return 0
+    cuda = Cuda()
+    cuda.open()
+    if argv[:1] == ["hold"]:
+        cuda.alloc(int(argv[1]))
+        print(json.dumps(info(cuda)), flush=True)
+        while True:
+            time.sleep(3600)
+    if argv[:1] == ["serve"]:
+        port = int(argv[argv.index("--port") + 1])
+        if "--bytes" in argv:
+            cuda.alloc(int(argv[argv.index("--bytes") + 1]))
+        serve(cuda, port)
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

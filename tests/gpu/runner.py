@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Run the GPU tier without pytest: every `test_*` function of the given files, in order.
+
+Prints PASS / FAIL / SKIP per test and writes the measured figures to $OUT/gpu.txt.
+Exit status 1 if any test failed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+os.environ["PROVIDERD_GPU_RUNNER"] = "1"
+
+import support  # noqa: E402
+
+
+def main(files: list[str]) -> int:
+    out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
+    lines: list[str] = []
+    failed = 0
+    for name in files:
+        path = Path(name).resolve()
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        for attr, fn in list(vars(module).items()):
+            if not attr.startswith("test_") or not callable(fn):
+                continue
+            print(f"{path.stem}::{attr}", flush=True)
+            t0 = time.monotonic()
+            try:
+                fn()
+                result = "PASS"
+            except support.Skip as e:
+                result = f"SKIP ({e})"
+            except BaseException as e:
+                if type(e).__name__ == "Skipped":
+                    result = f"SKIP ({e})"
+                else:
+                    failed += 1
+                    result = f"FAIL ({type(e).__name__}: {e})"
+                    traceback.print_exc()
+            line = f"{result.split(' ')[0]:4} {path.stem}::{attr} ({time.monotonic() - t0:.1f} s)"
+            print(f"  {result}", flush=True)
+            lines.append(line + ("" if result == "PASS" else f" {result[5:]}"))
+    header = [
+        f"# providerd GPU tier, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+        f"# host {platform.node()}, Python {platform.python_version()}, kernel {platform.release()}",
+        "# command: tests/gpu/run.sh",
+        "",
+    ]
+    text = "\n".join(header + lines + ["", "## figures", *support.FIGURES]) + "\n"
+    (out / "gpu.txt").write_text(text)
+    print(text)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

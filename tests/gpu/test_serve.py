@@ -1,0 +1,224 @@
+"""The whole agent on a real card, in the foreground (`providerctl serve`), with real CUDA workers.
+
+Three providers that each need about 45% of the card: the third start retires the least
+recently used idle one, never a busy one; an over-budget worker is stopped; after the
+idle deadline the card's memory is back within one second; placement sets
+CUDA_VISIBLE_DEVICES as chosen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from support import GIB, ROOT, WORKER, card, card_by_uuid, figure, skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get(port: int, path: str, timeout: float = 120) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        body = e.read()
+        try:
+            return e.code, json.loads(body)
+        except ValueError:
+            return e.code, body.decode(errors="replace")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)
+
+
+def _state(pid: int) -> str:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("State:"):
+                return line.lower()
+    except OSError:
+        return "zombie"
+    return ""
+
+
+def manifest(d: Path, slug: str, port: int, budget: int, alloc: int, idle_s: float) -> Path:
+    f = d / f"{slug}.toml"
+    f.write_text(
+        f"""description = "GPU tier {slug}"
+[listen]
+address = "127.0.0.1:{port}"
+protocol = "http"
+[runtime]
+command = ["{{python}}", "{WORKER}", "serve", "--port", "{{port}}", "--bytes", "{alloc}"]
+ready = "http:/health"
+start_timeout_s = 60
+request_timeout_s = 60
+idle_timeout_s = {idle_s}
+[gpu]
+devices = "auto"
+vram_budget_gb = {budget / GIB:.3f}
+enforce = "stop"
+"""
+    )
+    f.chmod(0o644)
+    return f
+
+
+class Serve:
+    def __init__(self, manifests: list[Path], env: dict[str, str], log: Path) -> None:
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agent", "serve", *map(str, manifests)],
+            cwd=ROOT,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def wait_port(port: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"nothing listens on port {port}")
+
+
+def test_three_providers_over_budget_idle_release_and_placement() -> None:
+    try:
+        import agent.proxy
+        import agent.serve  # noqa: F401
+    except ImportError as e:
+        skip(f"the foreground agent is not importable here: {e}")
+    c = card()
+    share = int(c.total * 0.45)
+    if c.free < 2 * share + 8 * GIB:
+        skip(f"GPU {c.index} has only {c.free / GIB:.0f} GiB free")
+    alloc = share - int(1.5 * GIB)  # plus the CUDA context: within the budget
+    tmp = Path(tempfile.mkdtemp(prefix="providerd-gpu-serve-"))
+    mdir = tmp / "providers"
+    mdir.mkdir(mode=0o755)
+    ports = {s: free_port() for s in ("a", "b", "c", "d", "e")}
+    manifests = [
+        manifest(mdir, "a", ports["a"], share, alloc, 120),
+        manifest(mdir, "b", ports["b"], share, alloc, 120),
+        manifest(mdir, "c", ports["c"], share, alloc, 120),
+        manifest(mdir, "d", ports["d"], 2 * GIB, GIB, 120),
+        manifest(mdir, "e", ports["e"], 4 * GIB, 3 * GIB, 3),
+    ]
+    out = Path(os.environ.get("OUT", tmp))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PROVIDERD_RUNTIME_DIR": str(tmp / "run"),
+        "PROVIDERD_STATE_DIR": str(tmp / "state"),
+        "PROVIDERD_TRUSTED_UID": str(os.getuid()),
+        "PROVIDERD_MANIFEST_DIRS": str(mdir),
+    }
+    serve = Serve(manifests, env, out / "gpu-serve.log")
+    try:
+        for p in ports.values():
+            wait_port(p)
+
+        # Placement: the worker sees the chosen card.
+        t0 = time.monotonic()
+        code, a = get(ports["a"], "/info")
+        figure("serve: cold start of a (45%)", f"{time.monotonic() - t0:.2f} s")
+        assert code == 200, a
+        assert a["CUDA_VISIBLE_DEVICES"] == c.uuid
+        assert a["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        code, b = get(ports["b"], "/info")
+        assert code == 200, b
+
+        # a is the least recently used, but busy: c's start must retire b, not a.
+        slow: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: slow.update(r=get(ports["a"], "/slow?s=8")))
+        t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        code, cc = get(ports["c"], "/info")
+        figure("serve: start of c retiring an idle provider", f"{time.monotonic() - t0:.2f} s")
+        assert code == 200, cc
+        assert not alive(b["pid"]), "b (idle) should have been retired"
+        assert alive(a["pid"]), "a (busy) must never be retired"
+        t.join()
+        assert slow["r"][0] == 200, slow
+        assert slow["r"][1]["pid"] == a["pid"]
+
+        # Now c is the least recently used idle one: b's start retires c, not a.
+        code, b2 = get(ports["b"], "/info")
+        assert code == 200, b2
+        assert not alive(cc["pid"]) and alive(a["pid"])
+
+        status = subprocess.run(
+            [sys.executable, "-m", "agent", "status", "--json"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        (out / "gpu-status.json").write_text(status.stdout)
+        figure(
+            "serve: providerctl status --json",
+            f"exit {status.returncode}, {len(status.stdout)} bytes",
+        )
+
+        # Over budget: d grows past its 2 GiB budget and is stopped.
+        code, d = get(ports["d"], "/info")
+        assert code == 200, d
+        t0 = time.monotonic()
+        with contextlib.suppress(OSError):  # the worker may be stopped while it answers
+            get(ports["d"], f"/alloc?bytes={2 * GIB}", timeout=30)
+        while alive(d["pid"]) and time.monotonic() - t0 < 10:
+            time.sleep(0.02)
+        figure("serve: over-budget worker stopped after", f"{time.monotonic() - t0:.2f} s")
+        assert not alive(d["pid"])
+
+        # Idle deadline: e's memory is back on the card within a second of it.
+        before = card_by_uuid(c.uuid).free
+        code, e = get(ports["e"], "/info")
+        assert code == 200, e
+        done = time.monotonic()
+        deadline = done + 3
+        while card_by_uuid(c.uuid).free < before - 256 * 2**20:
+            if time.monotonic() > deadline + 10:
+                raise AssertionError("e's memory never came back")
+            time.sleep(0.01)
+        back = time.monotonic() - deadline
+        figure("serve: memory back after the idle deadline", f"{back:.3f} s (idle_timeout_s = 3)")
+        assert back < 1.0
+    finally:
+        serve.stop()
