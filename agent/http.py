@@ -1,0 +1,356 @@
+"""HTTP/1.1 message framing (RFC 9112) for the data path. No I/O here.
+
+The proxy forwards every message byte for byte; this module only tells it where
+a message head ends, what the head says about the body that follows (none,
+Content-Length, chunked, close-delimited, or a tunnel after an upgrade), whether
+the connection stays open, and where a chunked body ends. It never rewrites a
+head: what a client sent is what the worker receives.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+MAX_HEAD = 64 * 1024  # request or response head, start line to blank line
+MAX_HEADERS = 128  # header fields in one head
+MAX_CHUNK_LINE = 4096  # one chunk-size line (with extensions) or one trailer field
+
+Body = Literal["none", "length", "chunked", "close", "tunnel"]
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_TARGET = re.compile(r"[\x21-\x7e\x80-\xff]+")  # visible characters, no spaces or controls
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_REASONS = {
+    100: "Continue",
+    101: "Switching Protocols",
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    408: "Request Timeout",
+    413: "Content Too Large",
+    414: "URI Too Long",
+    429: "Too Many Requests",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    501: "Not Implemented",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+    505: "HTTP Version Not Supported",
+}
+
+
+class HttpError(Exception):
+    """A message cannot be framed. `status` is what a client is answered (400, 431, 501, 505)."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class RequestHead:
+    method: str
+    target: str
+    version: int  # 10 or 11
+    headers: list[tuple[str, str]]  # names as sent
+    body: Body  # "none", "length" or "chunked"
+    length: int  # for body == "length"
+    keep_alive: bool  # the client lets the connection stay open after the response
+    upgrade: bool  # Upgrade requested (Connection: upgrade), or CONNECT
+    expect_continue: bool
+
+    @property
+    def path(self) -> str:
+        """The target's path without the query: `/v1/x?y=1` → `/v1/x`; absolute form reduced too."""
+        target = self.target
+        if target[:1] != "/":
+            scheme, sep, rest = target.partition("://")
+            if not sep or not scheme.isalpha():
+                return target  # authority form (CONNECT) or "*"
+            slash = rest.find("/")
+            target = rest[slash:] if slash >= 0 else "/"
+        query = target.find("?")
+        return target if query < 0 else target[:query]
+
+
+@dataclass(slots=True)
+class ResponseHead:
+    version: int
+    status: int
+    reason: str
+    headers: list[tuple[str, str]]
+    body: Body
+    length: int
+    keep_alive: bool  # the worker keeps the connection open after this response
+
+
+def find_head_end(buf: bytes | bytearray, start: int, end: int) -> int:
+    """Index just past the blank line that ends a head in buf[start:end], or -1."""
+    best = -1
+    i = buf.find(b"\r\n\r\n", start, end)
+    if i >= 0:
+        best, end = i + 4, i + 3  # below: only an earlier end made of bare LFs (RFC 9112 §2.2)
+    i = buf.find(b"\n\n", start, end)
+    if i >= 0:
+        best, end = i + 2, i + 1
+    i = buf.find(b"\n\r\n", start, end)
+    if i >= 0:
+        best = i + 3
+    return best
+
+
+def skip_empty_lines(buf: bytes | bytearray, start: int, end: int) -> int:
+    """Skip the CRLFs a client may send between requests (RFC 9112 §2.2)."""
+    while start < end and buf[start] in (13, 10):
+        start += 1
+    return start
+
+
+def _lines(head: bytes | bytearray | memoryview) -> list[str]:
+    text = bytes(head).decode("latin-1")
+    lines = text.split("\n")
+    # The head ends with an empty line: drop it and the trailing "" after the last LF.
+    while lines and lines[-1] in ("", "\r"):
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+class _Fields:
+    """What the framing-relevant fields of a head say."""
+
+    __slots__ = ("connection", "content_length", "expect", "transfer_encoding", "upgrade")
+
+    def __init__(self) -> None:
+        self.content_length: int | None = None
+        self.transfer_encoding: list[str] = []
+        self.connection: set[str] = set()
+        self.upgrade = False
+        self.expect = ""
+
+
+def _fields(lines: list[str], error_status: int) -> tuple[list[tuple[str, str]], _Fields]:
+    if len(lines) - 1 > MAX_HEADERS:
+        raise HttpError(431, f"more than {MAX_HEADERS} header fields")
+    headers: list[tuple[str, str]] = []
+    f = _Fields()
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep or not _TOKEN.fullmatch(name):
+            if line[:1] in (" ", "\t"):
+                raise HttpError(error_status, "obsolete line folding in a header field")
+            raise HttpError(error_status, f"malformed header field {line[:40]!r}")
+        value = value.strip(" \t")
+        if "\r" in value or "\x00" in value:
+            raise HttpError(error_status, f"forbidden character in header field {name!r}")
+        headers.append((name, value))
+        key = name.lower()
+        if key == "content-length":
+            for part in value.split(","):
+                part = part.strip(" \t")
+                if not part.isdigit() or not part.isascii() or len(part) > 18:
+                    raise HttpError(error_status, f"invalid Content-Length {value!r}")
+                n = int(part)
+                if f.content_length is not None and f.content_length != n:
+                    raise HttpError(error_status, "conflicting Content-Length fields")
+                f.content_length = n
+        elif key == "transfer-encoding":
+            f.transfer_encoding += [t.strip(" \t").lower() for t in value.split(",") if t.strip()]
+        elif key == "connection":
+            f.connection.update(t.strip(" \t").lower() for t in value.split(","))
+        elif key == "upgrade":
+            f.upgrade = True
+        elif key == "expect":
+            f.expect = value.lower()
+    return headers, f
+
+
+def _version(text: str, error_status: int) -> int:
+    if text == "HTTP/1.1":
+        return 11
+    if text == "HTTP/1.0":
+        return 10
+    if len(text) == 8 and text.startswith("HTTP/") and text[5].isdigit() and text[7].isdigit():
+        raise HttpError(505 if error_status == 400 else error_status, f"unsupported {text}")
+    raise HttpError(error_status, f"malformed protocol version {text[:20]!r}")
+
+
+def _keep_alive(version: int, connection: set[str]) -> bool:
+    if "close" in connection:
+        return False
+    return version == 11 or "keep-alive" in connection
+
+
+def parse_request_head(head: bytes | bytearray | memoryview) -> RequestHead:
+    """Parse a request head (start line through the blank line). Raises HttpError."""
+    lines = _lines(head)
+    if not lines:
+        raise HttpError(400, "empty request")
+    parts = lines[0].split(" ")
+    if len(parts) != 3:
+        raise HttpError(400, f"malformed request line {lines[0][:60]!r}")
+    method, target, version_text = parts
+    if not _TOKEN.fullmatch(method):
+        raise HttpError(400, f"malformed method {method[:20]!r}")
+    if not _TARGET.fullmatch(target):
+        raise HttpError(400, "malformed request target")
+    version = _version(version_text, 400)
+    headers, f = _fields(lines, 400)
+    body: Body = "none"
+    length = 0
+    if f.transfer_encoding:
+        if f.content_length is not None:
+            raise HttpError(400, "both Transfer-Encoding and Content-Length")
+        if version == 10:
+            raise HttpError(400, "Transfer-Encoding in an HTTP/1.0 request")
+        if f.transfer_encoding[-1] != "chunked":
+            raise HttpError(
+                501, f"unsupported Transfer-Encoding {', '.join(f.transfer_encoding)!r}"
+            )
+        body = "chunked"
+    elif f.content_length:
+        body, length = "length", f.content_length
+    upgrade = method == "CONNECT" or (f.upgrade and "upgrade" in f.connection)
+    return RequestHead(
+        method=method,
+        target=target,
+        version=version,
+        headers=headers,
+        body=body,
+        length=length,
+        keep_alive=_keep_alive(version, f.connection),
+        upgrade=upgrade,
+        expect_continue=f.expect == "100-continue",
+    )
+
+
+def parse_response_head(head: bytes | bytearray | memoryview, method: str) -> ResponseHead:
+    """Parse a response head to a request with `method`. Raises HttpError(502)."""
+    lines = _lines(head)
+    if not lines:
+        raise HttpError(502, "empty response head")
+    version_text, _, rest = lines[0].partition(" ")
+    version = _version(version_text, 502)
+    code, _, reason = rest.partition(" ")
+    if len(code) != 3 or not code.isdigit() or not code.isascii():
+        raise HttpError(502, f"malformed status line {lines[0][:60]!r}")
+    status = int(code)
+    headers, f = _fields(lines, 502)
+    keep_alive = _keep_alive(version, f.connection)
+    body: Body
+    length = 0
+    if status == 101 or (method == "CONNECT" and 200 <= status < 300):
+        body = "tunnel"
+    elif method == "HEAD" or status < 200 or status in (204, 304):
+        body = "none"
+    elif f.transfer_encoding:
+        if version == 11 and f.transfer_encoding[-1] == "chunked":
+            body = "chunked"
+        else:
+            body, keep_alive = "close", False
+    elif f.content_length is not None:
+        body, length = "length", f.content_length
+    else:
+        body, keep_alive = "close", False
+    return ResponseHead(version, status, reason, headers, body, length, keep_alive)
+
+
+class ChunkedScanner:
+    """Follows a chunked body (RFC 9112 §7.1) as its bytes pass, to find where it ends.
+
+    Chunk extensions and trailer fields are accepted and passed on untouched.
+    """
+
+    __slots__ = ("_line", "_remaining", "_state", "_trailers")
+
+    _SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
+
+    def __init__(self) -> None:
+        self._state = self._SIZE
+        self._remaining = 0
+        self._line = bytearray()
+        self._trailers = 0
+
+    @property
+    def done(self) -> bool:
+        return self._state == self._DONE
+
+    def scan(self, buf: bytes | bytearray, start: int, end: int) -> int:
+        """Follow buf[start:end]. Returns the index just past the body's last byte if the
+        body ends there, else -1 (every byte belongs to the body). Raises HttpError(400)."""
+        pos = start
+        while pos < end:
+            state = self._state
+            if state == self._DATA:
+                take = min(self._remaining, end - pos)
+                pos += take
+                self._remaining -= take
+                if self._remaining == 0:
+                    self._state = self._DATA_END
+                continue
+            if state == self._DONE:
+                return pos
+            nl = buf.find(b"\n", pos, end)
+            if nl < 0:
+                self._line += buf[pos:end]
+                if len(self._line) > MAX_CHUNK_LINE:
+                    raise HttpError(400, "chunk line too long")
+                return -1
+            if self._line:
+                self._line += buf[pos:nl]
+                line = bytes(self._line)
+                self._line.clear()
+            else:
+                line = bytes(buf[pos:nl])
+            pos = nl + 1
+            if len(line) > MAX_CHUNK_LINE:
+                raise HttpError(400, "chunk line too long")
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            if state == self._SIZE:
+                size = line.split(b";", 1)[0].strip(b" \t")
+                if not _HEX.fullmatch(size):
+                    raise HttpError(400, f"malformed chunk size {line[:20]!r}")
+                self._remaining = int(size, 16)
+                self._state = self._DATA if self._remaining else self._TRAILER
+            elif state == self._DATA_END:
+                if line:
+                    raise HttpError(400, "chunk data longer than its size")
+                self._state = self._SIZE
+            else:  # trailer section
+                if not line:
+                    self._state = self._DONE
+                    return pos
+                self._trailers += 1
+                if self._trailers > MAX_HEADERS:
+                    raise HttpError(400, "too many trailer fields")
+        return pos if self._state == self._DONE else -1
+
+
+def error_response(
+    status: int,
+    body: Mapping[str, object],
+    *,
+    close: bool,
+    retry_after_s: float | None = None,
+    head_only: bool = False,
+) -> bytes:
+    """A complete HTTP/1.1 response with a JSON body, as the proxy answers by itself."""
+    payload = json.dumps(body, separators=(", ", ": ")).encode() + b"\n"
+    lines = [
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(payload)}",
+    ]
+    if retry_after_s is not None:
+        lines.append(f"Retry-After: {max(0, math.ceil(retry_after_s))}")
+    if close:
+        lines.append("Connection: close")
+    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    return head if head_only else head + payload
