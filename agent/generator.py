@@ -65,18 +65,24 @@ def skipped_lines(problems: list[Problem]) -> list[str]:
     return lines
 
 
-def write_atomic(path: Path, content: str | units.Link) -> None:
+def write_atomic(path: Path, content: str | units.Link, make_parent: bool = True) -> None:
     """Write `content` (text or a link) at `path` through a temporary name and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".#{path.name}.{os.getpid()}")
+    if make_parent:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path.parent}/.#{path.name}.{os.getpid()}"
     try:
         if isinstance(content, units.Link):
             if os.path.lexists(tmp):
                 os.unlink(tmp)
             os.symlink(content.target, tmp)
         else:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(content)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                data = content.encode()
+                while data:
+                    data = data[os.write(fd, data) :]
+            finally:
+                os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         if os.path.lexists(tmp):
@@ -87,11 +93,16 @@ def write_atomic(path: Path, content: str | units.Link) -> None:
 def generate(providers: list[Provider], out: Path) -> list[str]:
     """Write every provider's files under `out`; the paths that failed, with why."""
     failures: list[str] = []
+    made: set[Path] = set()
     for path, content in units.render_all(providers).items():
+        target = out / path
         try:
-            write_atomic(out / path, content)
+            if target.parent not in made:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                made.add(target.parent)
+            write_atomic(target, content, make_parent=False)
         except OSError as e:
-            failures.append(f"Failed to write {out / path}: {e.strerror or e}")
+            failures.append(f"Failed to write {target}: {e.strerror or e}")
     return failures
 
 

@@ -672,56 +672,54 @@ def _collide(a: Address, b: Address) -> bool:
     return "0.0.0.0" in (a.host, b.host) and ":" not in (a.host or "") + (b.host or "")
 
 
+def _address_groups(providers: list[Provider]) -> list[list[tuple[Provider, Address]]]:
+    """Addresses that may collide, grouped by port or path (linear, for many manifests)."""
+    groups: dict[object, list[tuple[Provider, Address]]] = {}
+    for p in providers:
+        for a in p.addresses:
+            groups.setdefault(a.path if a.is_unix else a.port, []).append((p, a))
+    return [g for g in groups.values() if len({id(p) for p, _ in g}) > 1]
+
+
 def cross_check(providers: list[Provider]) -> list[Problem]:
     """Problems between valid providers: shared addresses and model names. Pure."""
     out: list[Problem] = []
-    for i, p in enumerate(providers):
-        for q in providers[i + 1 :]:
-            for a in p.addresses:
-                for b in q.addresses:
-                    if _collide(a, b):
-                        out.append(
-                            Problem(
-                                str(p.source),
-                                "listen.address",
-                                f'"{a}" is also used by provider "{q.slug}" ({q.source}); give each provider its own address',
-                            )
-                        )
-                        out.append(
-                            Problem(
-                                str(q.source),
-                                "listen.address",
-                                f'"{b}" is also used by provider "{p.slug}" ({p.source}); give each provider its own address',
-                            )
-                        )
-            for n in sorted(set(p.model_names) & set(q.model_names)):
-                for x, y in ((p, q), (q, p)):
-                    out.append(
-                        Problem(
-                            str(x.source),
-                            "models.names",
-                            f'"{n}" is also claimed by provider "{y.slug}" ({y.source}); a model name belongs to one provider',
-                        )
-                    )
-            for x, y in ((p, q), (q, p)):
-                for pat in x.model_patterns:
-                    rx = re.compile(pat)
-                    for n in y.model_names:
-                        if rx.fullmatch(n):
-                            out.append(
-                                Problem(
-                                    str(x.source),
-                                    "models.patterns",
-                                    f'"{pat}" matches "{n}", a name of provider "{y.slug}" ({y.source}); narrow the pattern',
-                                )
-                            )
-                            out.append(
-                                Problem(
-                                    str(y.source),
-                                    "models.names",
-                                    f'"{n}" is also matched by pattern "{pat}" of provider "{x.slug}" ({x.source})',
-                                )
-                            )
+
+    def both(x: Provider, x_key: str, x_msg: str, y: Provider, y_key: str, y_msg: str) -> None:
+        out.append(Problem(str(x.source), x_key, x_msg))
+        out.append(Problem(str(y.source), y_key, y_msg))
+
+    for group in _address_groups(providers):
+        for i, (p, a) in enumerate(group):
+            for q, b in group[i + 1 :]:
+                if p is not q and _collide(a, b):
+                    both(
+                        p, "listen.address",
+                        f'"{a}" is also used by provider "{q.slug}" ({q.source}); give each provider its own address',
+                        q, "listen.address",
+                        f'"{b}" is also used by provider "{p.slug}" ({p.source}); give each provider its own address',
+                    )  # fmt: skip
+    owners: dict[str, Provider] = {}
+    for p in providers:
+        for n in p.model_names:
+            q = owners.setdefault(n, p)
+            if q is not p:
+                claim = "is also claimed by provider"
+                both(
+                    q, "models.names", f'"{n}" {claim} "{p.slug}" ({p.source}); a model name belongs to one provider',
+                    p, "models.names", f'"{n}" {claim} "{q.slug}" ({q.source}); a model name belongs to one provider',
+                )  # fmt: skip
+    for x in providers:
+        for pat in x.model_patterns:
+            rx = re.compile(pat)
+            for n, y in owners.items():
+                if y is not x and rx.fullmatch(n):
+                    both(
+                        x, "models.patterns",
+                        f'"{pat}" matches "{n}", a name of provider "{y.slug}" ({y.source}); narrow the pattern',
+                        y, "models.names",
+                        f'"{n}" is also matched by pattern "{pat}" of provider "{x.slug}" ({x.source})',
+                    )  # fmt: skip
     return out
 
 

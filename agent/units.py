@@ -48,7 +48,12 @@ def worker_unit(slug: str) -> str:
 _SAFE_WORD = re.compile(r"[A-Za-z0-9_@%+=:,./{}$^~-]+")
 
 
+_NEEDS_ESCAPE = re.compile(r'[\\"\x00-\x1f\x7f]')
+
+
 def _c_escape(text: str) -> str:
+    if not _NEEDS_ESCAPE.search(text):
+        return text
     out = []
     for c in text:
         if c == "\\":
@@ -196,35 +201,41 @@ def render(provider: Provider, python: str = PYTHON) -> dict[str, str | Link]:
     return files
 
 
-def digest(provider: Provider) -> str:
-    """A fingerprint of everything generated for one provider."""
+def _digest(files: dict[str, str | Link]) -> str:
     h = hashlib.sha256()
-    for path, content in sorted(render(provider).items()):
+    for path, content in sorted(files.items()):
         text = f"-> {content.target}" if isinstance(content, Link) else content
         h.update(f"{path}\0{text}\0".encode())
     return h.hexdigest()[:16]
 
 
-def render_index(providers: list[Provider]) -> str:
-    """`providerd.json`: what was generated, for `providerctl reload` to compare against."""
-    data = {
-        "providers": {
-            p.slug: {
-                "source": str(p.source),
-                "addresses": [str(a) for a in p.addresses],
-                "enabled": p.enabled,
-                "digest": digest(p),
-            }
-            for p in sorted(providers, key=lambda p: p.slug)
-        }
+def digest(provider: Provider, python: str = PYTHON) -> str:
+    """A fingerprint of everything generated for one provider."""
+    return _digest(render(provider, python))
+
+
+def _index_entry(p: Provider, fingerprint: str) -> dict[str, object]:
+    return {
+        "source": str(p.source),
+        "addresses": [str(a) for a in p.addresses],
+        "enabled": p.enabled,
+        "digest": fingerprint,
     }
-    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+def render_index(providers: list[Provider], python: str = PYTHON) -> str:
+    """`providerd.json`: what was generated, for `providerctl reload` to compare against."""
+    entries = {p.slug: _index_entry(p, digest(p, python)) for p in providers}
+    return json.dumps({"providers": entries}, indent=2, sort_keys=True) + "\n"
 
 
 def render_all(providers: list[Provider], python: str = PYTHON) -> dict[str, str | Link]:
     """All providers' files plus the index, sorted by path."""
     files: dict[str, str | Link] = {}
+    entries: dict[str, object] = {}
     for p in providers:
-        files.update(render(p, python))
-    files[INDEX] = render_index(providers)
+        mine = render(p, python)
+        files.update(mine)
+        entries[p.slug] = _index_entry(p, _digest(mine))
+    files[INDEX] = json.dumps({"providers": entries}, indent=2, sort_keys=True) + "\n"
     return dict(sorted(files.items()))
