@@ -22,11 +22,11 @@ import time
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from agent import paths
+from agent import paths, rpc
 from agent.footprint import Footprints, write_atomic
-from agent.gpu import MIB, Card, GpuProcess, Nvml
+from agent.gpu import MIB, Card, GpuProcess, Nvml, NvmlUnavailable, gpu_status, open_nvml
 from agent.model import Provider
 from agent.placement import (
     Holder,
@@ -352,3 +352,70 @@ async def _wait_freed(
         if fits or back or time.monotonic() >= until:
             return time.monotonic() - start
         await asyncio.sleep(0.01)
+
+
+# --- the other fronts, over their control sockets ---------------------------------
+
+
+class ControlPeers:
+    """`Peers` over the other fronts' control sockets under the runtime directory."""
+
+    def __init__(self, me: str, runtime_dir: Path | None = None, timeout_s: float = 5.0) -> None:
+        self.me = me
+        self.runtime_dir = runtime_dir if runtime_dir is not None else paths.runtime_dir()
+        self.timeout_s = timeout_s
+        self.retire_timeout_s = 120.0
+
+    async def list(self) -> list[Holder]:
+        holders = []
+        for sock in sorted(self.runtime_dir.glob("*/control.sock")):
+            slug = sock.parent.name
+            if slug == self.me:
+                continue
+            try:
+                st = await rpc.acall(sock, {"op": "status"}, self.timeout_s)
+            except (rpc.RpcError, ValueError):
+                continue
+            holder = holder_from_status(slug, st)
+            if holder is not None:
+                holders.append(holder)
+        return holders
+
+    async def retire(self, slug: str) -> bool:
+        sock = self.runtime_dir / slug / "control.sock"
+        try:
+            answer = await rpc.acall(sock, {"op": "retire"}, self.retire_timeout_s)
+        except (rpc.RpcError, ValueError) as e:
+            log.warning("Failed to retire %s: %s", slug, e)
+            return False
+        return answer.get("retired") is True
+
+
+def holder_from_status(slug: str, status: dict[str, Any]) -> Holder | None:
+    """A `Holder` from a front's status object; None if it holds no GPU."""
+    gpu = status.get("gpu") or {}
+    uuids = gpu.get("uuids") or []
+    if not uuids:
+        return None
+    vram = max(int(gpu.get("used_bytes") or 0), int(gpu.get("need_bytes") or 0))
+    busy = int(status.get("in_flight") or 0) + int(status.get("waiting") or 0)
+    return Holder(
+        slug, tuple(str(u) for u in uuids), vram, busy, float(status.get("last_used") or 0)
+    )
+
+
+def cards_status(runtime_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Per card: index, uuid, name, total/free/used bytes, processes, held_by (slugs)."""
+    try:
+        nvml = open_nvml()
+    except NvmlUnavailable:
+        return []
+    try:
+        cards = gpu_status(nvml, read_reservations(runtime_dir))
+    except NvmlUnavailable:
+        return []
+    finally:
+        nvml.close()
+    for card in cards:
+        card["held_by"] = [h["slug"] for h in card["held_by"]]
+    return cards

@@ -3,8 +3,8 @@
 Before each worker start: admit (`agent.admission.admit`, retiring idle providers
 over their control sockets), hand the worker its `CUDA_VISIBLE_DEVICES` and device
 rules, and start sampling its VRAM. When the worker is gone: store the measured
-peak as the footprint and drop the reservation. Also `cards_status()` for
-`providerctl status`.
+peak as the footprint and drop the reservation. (`cards_status()`, for
+`providerctl status`, lives in `agent.admission`, which does not import the front.)
 """
 
 from __future__ import annotations
@@ -15,21 +15,22 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent import paths, rpc
+from agent import paths
 from agent.admission import (
     DEFAULT_HEADROOM,
     AdmissionRefused,
     Admitted,
+    ControlPeers,
     Peers,
     admit,
-    read_reservations,
+    cards_status,
 )
 from agent.control import DeviceRules, StartFailed, WorkerControl
 from agent.footprint import Footprints
 from agent.front import Admission
-from agent.gpu import Nvml, NvmlUnavailable, gpu_status, open_nvml
+from agent.gpu import Nvml, NvmlUnavailable, open_nvml
 from agent.model import Provider
-from agent.placement import Holder, Refusal, budget_bytes, device_allow, worker_env
+from agent.placement import Refusal, budget_bytes, device_allow, worker_env
 from agent.state import Event
 from agent.vram import Overage, VramSampler
 
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from agent.front import Front
 
 log = logging.getLogger(__name__)
+
+__all__ = ["ControlPeers", "GpuAdmission", "GpuRefused", "cards_status"]
 
 
 class GpuRefused(StartFailed):
@@ -46,53 +49,6 @@ class GpuRefused(StartFailed):
         super().__init__(refusal.message)
         self.refusal = refusal
         self.body = refusal.body()
-
-
-class ControlPeers:
-    """`Peers` over the other fronts' control sockets under the runtime directory."""
-
-    def __init__(self, me: str, runtime_dir: Path | None = None, timeout_s: float = 5.0) -> None:
-        self.me = me
-        self.runtime_dir = runtime_dir if runtime_dir is not None else paths.runtime_dir()
-        self.timeout_s = timeout_s
-        self.retire_timeout_s = 120.0
-
-    async def list(self) -> list[Holder]:
-        holders = []
-        for sock in sorted(self.runtime_dir.glob("*/control.sock")):
-            slug = sock.parent.name
-            if slug == self.me:
-                continue
-            try:
-                st = await rpc.acall(sock, {"op": "status"}, self.timeout_s)
-            except (rpc.RpcError, ValueError):
-                continue
-            holder = holder_from_status(slug, st)
-            if holder is not None:
-                holders.append(holder)
-        return holders
-
-    async def retire(self, slug: str) -> bool:
-        sock = self.runtime_dir / slug / "control.sock"
-        try:
-            answer = await rpc.acall(sock, {"op": "retire"}, self.retire_timeout_s)
-        except (rpc.RpcError, ValueError) as e:
-            log.warning("Failed to retire %s: %s", slug, e)
-            return False
-        return answer.get("retired") is True
-
-
-def holder_from_status(slug: str, status: dict[str, Any]) -> Holder | None:
-    """A `Holder` from a front's status object; None if it holds no GPU."""
-    gpu = status.get("gpu") or {}
-    uuids = gpu.get("uuids") or []
-    if not uuids:
-        return None
-    vram = max(int(gpu.get("used_bytes") or 0), int(gpu.get("need_bytes") or 0))
-    busy = int(status.get("in_flight") or 0) + int(status.get("waiting") or 0)
-    return Holder(
-        slug, tuple(str(u) for u in uuids), vram, busy, float(status.get("last_used") or 0)
-    )
 
 
 class GpuAdmission(Admission):
@@ -206,20 +162,3 @@ class GpuAdmission(Admission):
             "peak_bytes": max(stored or 0, current) or None,
             "enforce": self.provider.enforce,
         }
-
-
-def cards_status(runtime_dir: Path | None = None) -> list[dict[str, Any]]:
-    """Per card: index, uuid, name, total/free/used bytes, processes, held_by (slugs)."""
-    try:
-        nvml = open_nvml()
-    except NvmlUnavailable:
-        return []
-    try:
-        cards = gpu_status(nvml, read_reservations(runtime_dir))
-    except NvmlUnavailable:
-        return []
-    finally:
-        nvml.close()
-    for card in cards:
-        card["held_by"] = [h["slug"] for h in card["held_by"]]
-    return cards
