@@ -393,10 +393,37 @@ _INTRO = (
     "`/etc/providerd/providers/SLUG/provider.toml` (vendor defaults in "
     "`/usr/lib/providerd/providers/`; the same slug in /etc wins; `PROVIDERD_MANIFEST_DIRS`, "
     "colon-separated, replaces both). The slug is the file or directory name: lowercase "
-    "letters, digits and `_`, at most 48 characters. The file must be owned by root and not "
-    "writable by group or others, and so must every directory between it and the manifest "
-    "directory. Unknown keys are errors. `providerctl check` prints every problem, one line "
+    "letters, digits and `_`, at most 48 characters. Manifests run commands on the host: the "
+    "file, its `SLUG/` directory and the manifest directory must be owned by root (or by the uid "
+    "in `PROVIDERD_TRUSTED_UID`, which tests set to their own) and must not be writable by group "
+    "or others (a sticky directory such as /tmp is accepted). Unknown keys are errors. "
+    "`providerctl check` prints every problem, one line "
     "each; the generator skips a manifest with problems and generates all others."
+)
+
+
+_APPLY = (
+    (
+        "What the generator writes",
+        "At boot and on every `systemctl daemon-reload`, providerd-generator writes, for each valid "
+        "manifest, drop-ins named `50-manifest.conf` for `provider@SLUG.socket`, `provider@SLUG.service` "
+        "and `provider-worker@SLUG.service` (each headed by the manifest it came from, with "
+        "`SourcePath=`), a `sockets.target.wants/provider@SLUG.socket` link when `enabled = true`, and "
+        "`providerd.json`, the list of what it generated. A manifest with problems is skipped and each "
+        "problem is logged to the kernel log (`journalctl -k`); all other providers are generated. "
+        "`providerctl generate --dry-run` prints the same files without writing them and verifies them "
+        "with `systemd-analyze verify` where it is installed.",
+    ),
+    (
+        "Applying changes",
+        "`providerctl reload` checks the manifests, stops the socket and front of providers whose "
+        "manifest was removed, runs `systemctl daemon-reload`, starts the sockets of new or newly "
+        "enabled providers, and restarts active sockets whose address changed (a reload alone leaves "
+        "them closed; the restart also restarts an active front). A manifest with problems is reported "
+        "and skipped, the others are reloaded, and the exit status is 1; a provider that was running "
+        "and whose manifest now has problems is left running, never stopped for a typo. A provider "
+        "that became disabled is left running. Other changes apply at the provider's next start.",
+    ),
 )
 
 
@@ -427,6 +454,8 @@ def markdown() -> str:
             cells = [f"`{k.name}`", k.type, default, meaning, k.directive or "read by providerd"]
             out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         out.append("")
+    for title, text in _APPLY:
+        out += [f"## {title}", "", text, ""]
     return "\n".join(out)
 
 
@@ -468,6 +497,8 @@ def man() -> str:
             if k.directive:
                 body += f" Becomes {k.directive}."
             out.append(_roff(body))
+    for title, text in _APPLY:
+        out += [f".SH {title.upper()}", _roff(text)]
     out += [
         ".SH SEE ALSO",
         "\\fBproviderctl\\fR(8), \\fBsystemd.socket\\fR(5), \\fBsystemd.exec\\fR(5), "
