@@ -769,43 +769,37 @@ def discover(dirs: list[Path] | None = None, host: Host | None = None) -> Discov
 def check_paths(items: list[Path], host: Host | None = None) -> Discovery:
     """`providerctl check PATH...`: files, `<slug>/` directories or manifest directories."""
     host = host or this_host()
-    found: list[Provider] = []
     problems: list[Problem] = []
+    manifests: list[Path] = []
     for item in items:
         item = Path(os.path.abspath(item))
         if item.is_dir() and not item.name.endswith(".toml"):
             if os.path.lexists(item / DIR_MANIFEST):
-                result = parse_file(item / DIR_MANIFEST, None, host)
-                if isinstance(result, list):
-                    problems.extend(result)
-                else:
-                    found.append(result)
+                manifests.append(item / DIR_MANIFEST)
             else:
-                more, trouble = _scan([item], host)
-                found.extend(more)
-                problems.extend(trouble)
-        elif not os.path.lexists(item):
-            problems.append(Problem(str(item), "", "No such file or directory"))
+                manifests += [path for _, path in _candidates(item)]
+        elif os.path.lexists(item):
+            manifests.append(item)
         else:
-            result = parse_file(item, None, host)
-            if isinstance(result, list):
-                problems.extend(result)
-            else:
-                found.append(result)
-    slugs: dict[str, Provider] = {}
-    for p in found:
-        if p.slug in slugs:
-            for x, y in ((p, slugs[p.slug]), (slugs[p.slug], p)):
+            problems.append(Problem(str(item), "", "No such file or directory"))
+    by_slug: dict[str, list[Path]] = {}
+    for path in dict.fromkeys(manifests):  # each file once, in the order given
+        by_slug.setdefault(slug_of(path), []).append(path)
+    found: list[Provider] = []
+    for slug, paths_ in by_slug.items():
+        if len(paths_) > 1:
+            for m in paths_:
+                others = ", ".join(str(o) for o in paths_ if o != m)
                 problems.append(
-                    Problem(
-                        str(x.source),
-                        "",
-                        f'provider "{x.slug}" is also declared by {y.source}; keep one',
-                    )
+                    Problem(str(m), "", f'provider "{slug}" is also declared by {others}; keep one')
                 )
-        slugs[p.slug] = p
-    dup = {str(p.source) for p in found if sum(q.slug == p.slug for q in found) > 1}
-    return _finish([p for p in found if str(p.source) not in dup], problems)
+            continue
+        result = parse_file(paths_[0], slug, host)
+        if isinstance(result, list):
+            problems.extend(result)
+        else:
+            found.append(result)
+    return _finish(found, problems)
 
 
 def load(slug: str) -> Provider:

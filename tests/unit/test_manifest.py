@@ -429,3 +429,15 @@ def test_keys_module_prints_the_references(capsys: pytest.CaptureFixture[str]) -
     assert keys.main(["--man"]) == 0
     assert capsys.readouterr().out == keys.man()
     assert keys.main([]) == 2
+
+
+def test_check_reads_each_file_once(tmp_path: Path) -> None:
+    f = write(tmp_path, "one.toml", MINIMAL)
+    found = manifest.check_paths([f, tmp_path, f])
+    assert found.problems == [] and list(found.providers) == ["one"]
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"\xff")
+    bad.chmod(0o644)
+    out = io.StringIO()
+    assert manifest.main_check([str(bad), str(tmp_path)], out, io.StringIO()) == 1
+    assert out.getvalue() == f"{bad}: is not UTF-8 text (byte 0); a manifest is a TOML file\n"

@@ -324,3 +324,15 @@ def test_systemd_analyze_security_is_within_target(tmp_path: Path) -> None:
     for name, level in found.items():
         limit = WORKER_MAX_EXPOSURE if name.startswith("provider-worker@") else FRONT_MAX_EXPOSURE
         assert float(level) <= limit, f"{name}: exposure {level} > {limit}"
+
+
+def test_the_index_lists_what_was_rendered(tmp_path: Path) -> None:
+    providers = [load_case(c, tmp_path / c.stem) for c in GOLDEN]
+    files = units.render_all(providers)
+    assert files[units.INDEX] == units.render_index(providers)
+    index = json.loads(str(files[units.INDEX]))["providers"]
+    assert sorted(index) == sorted(p.slug for p in providers)
+    for p in providers:
+        assert index[p.slug]["addresses"] == [str(a) for a in p.addresses]
+        assert index[p.slug]["enabled"] is p.enabled
+        assert index[p.slug]["digest"] == units.digest(p)
