@@ -1,4 +1,4 @@
-#!/bin/sh
+#!/bin/bash
 # The GPU tier, one command, on a host with an NVIDIA GPU (no systemd needed):
 #   OUT=/some/dir tests/gpu/run.sh
 # Writes $OUT/gpu.txt (results and measured figures), $OUT/gpu-run.log, and the
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-$(pwd)/.work/gpu}
 export OUT
 mkdir -p "$OUT"
-exec > "$OUT/gpu-run.log" 2>&1 </dev/null || exit 1
+exec > >(tee "$OUT/gpu-run.log") 2>&1 </dev/null
 PY=${PYTHON:-python3}
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
