@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import math
 import os
 import re
 import shlex
@@ -101,8 +102,9 @@ def _strings(value: object, what: str = "a list of strings") -> list[str]:
 
 
 def _range(key: Key, value: float, unit: str = "") -> None:
-    lo, hi = key.low, key.high
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
+    lo = -math.inf if key.low is None else key.low
+    hi = math.inf if key.high is None else key.high
+    if not lo <= value <= hi:  # also refuses nan
         got = int(value) if float(value).is_integer() else value
         raise _Invalid(f"must be from {key.range_text()}{unit}, got {got}")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from cases.harness import ANY_PATHS_HOST, CASE_HOST, CASES, EXAMPLES, directives, install, write
 
-from agent import keys, manifest
+from agent import keys, manifest, units
 from agent.model import Address, Provider, Ready
 
 INVALID = sorted((CASES / "invalid").glob("*.toml"))
@@ -441,3 +441,34 @@ def test_check_reads_each_file_once(tmp_path: Path) -> None:
     out = io.StringIO()
     assert manifest.main_check([str(bad), str(tmp_path)], out, io.StringIO()) == 1
     assert out.getvalue() == f"{bad}: is not UTF-8 text (byte 0); a manifest is a TOML file\n"
+
+
+def test_not_a_number_is_refused(tmp_path: Path) -> None:
+    r = manifest.parse_file(write(tmp_path, "n.toml", MINIMAL + "idle_timeout_s = nan\n"))
+    assert (
+        isinstance(r, list) and r[0].key == "runtime.idle_timeout_s" and "got nan" in r[0].message
+    )
+
+
+def test_mutated_manifests_never_raise() -> None:
+    """Deterministic fuzzing: every example with bytes dropped, repeated or replaced."""
+    import random
+
+    rng = random.Random(2)
+    sources = [p.read_bytes() for p in sorted(EXAMPLES.glob("*.toml"))]
+    alphabet = b'[]{}=",.:/\\%$#\n 0123456789azAZ-_\x00\xff'
+    for _ in range(1500):
+        data = bytearray(rng.choice(sources))
+        for _ in range(rng.randint(1, 6)):
+            i = rng.randrange(len(data))
+            op = rng.randrange(3)
+            if op == 0:
+                del data[i]
+            elif op == 1:
+                data[i:i] = data[i : i + rng.randint(1, 20)]
+            else:
+                data[i] = rng.choice(alphabet)
+        result = manifest.parse_bytes(bytes(data), Path("/m/fuzz.toml"), "fuzz", ANY_PATHS_HOST)
+        assert isinstance(result, Provider | list)
+        if isinstance(result, Provider):
+            assert units.render(result)
