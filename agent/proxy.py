@@ -1,0 +1,817 @@
+"""The data path: one HTTP or TCP relay per accepted client connection.
+
+The front accepts, counts and times connections; for each one it runs
+`serve_http` or `serve_tcp` as a task with its `Backend`. Per HTTP request:
+read the head → `backend.lease(path)` → `await backend.ready()` → connect to the
+worker (or reuse the connection the previous request on this client connection
+used, if the worker generation is the same and the connection still open) →
+forward head and body unchanged → relay the response → release the lease. An idle
+keep-alive connection holds no lease; after a `101` (or a `2xx` to CONNECT) the
+connection is an opaque byte relay that keeps its lease until it closes.
+
+Buffers are bounded: each direction reads into one pooled buffer and reads again
+only once the other side has taken everything, so a slow reader holds at most
+`BUFFER_SIZE` per direction here plus the kernel's socket buffers. A connection
+that waits for its next request holds no buffer at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from agent.http import (
+    MAX_HEAD,
+    ChunkedScanner,
+    HttpError,
+    RequestHead,
+    ResponseHead,
+    error_response,
+    find_head_end,
+    parse_request_head,
+    parse_response_head,
+    skip_empty_lines,
+)
+from agent.model import Address
+
+log = logging.getLogger(__name__)
+
+BUFFER_SIZE = 64 * 1024  # per direction while bytes move; must hold a whole head (MAX_HEAD)
+LINGER_S = 2.0  # after answering and closing first, read and drop what the client still sends
+WORKER_GONE_RETRY_AFTER_S = 1.0
+_IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+_POOL_MAX = 64
+
+assert BUFFER_SIZE >= MAX_HEAD
+
+
+class Unavailable(Exception):
+    """The provider cannot serve now. HTTP clients get `status` with a JSON body; TCP clients a close."""
+
+    def __init__(
+        self,
+        status: int,
+        error: str,
+        retry_after_s: float | None = None,
+        extra: Mapping[str, object] | None = None,
+    ) -> None:
+        super().__init__(error)
+        self.status = status
+        self.error = error
+        self.retry_after_s = retry_after_s
+        self.extra: dict[str, object] = dict(extra or {})
+
+    def body(self, provider: str) -> dict[str, object]:
+        return {
+            "error": self.error,
+            "provider": provider,
+            "retry_after_s": self.retry_after_s,
+            **self.extra,
+        }
+
+
+class Lease(Protocol):
+    def release(self) -> None:
+        """End this unit of in-flight work. Idempotent."""
+
+
+class Backend(Protocol):
+    """What the front offers the data path for one provider."""
+
+    slug: str
+    request_timeout_s: float  # <= 0: no limit
+
+    def lease(self, path: str | None) -> Lease:
+        """Begin one unit of in-flight work: an HTTP request (`path` without the query) or a
+        TCP connection (None). A path in `idle_ignore_paths` gives a lease that does not hold
+        the card. May raise Unavailable."""
+        ...
+
+    async def ready(self) -> tuple[Address, int]:
+        """Wait until the worker answers; return its address and a generation number that
+        changes with every worker start. Raises Unavailable. Cancelled when the client goes
+        away while it waits; the load must go on regardless."""
+        ...
+
+
+# -- buffers -------------------------------------------------------------------------------
+
+_pool: list[bytearray] = []
+
+
+def _take() -> bytearray:
+    return _pool.pop() if _pool else bytearray(BUFFER_SIZE)
+
+
+def _give(buf: bytearray) -> None:
+    if len(_pool) < _POOL_MAX:
+        _pool.append(buf)
+
+
+# -- errors inside one connection ---------------------------------------------------------
+
+
+class _ClientGone(Exception):
+    """The client closed or reset its connection."""
+
+
+class _WorkerGone(Exception):
+    """The worker closed, reset or refused the connection."""
+
+
+# -- socket helpers ------------------------------------------------------------------------
+
+
+def _nodelay(sock: socket.socket) -> None:
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _shutdown_write(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+
+
+def _still_open(sock: socket.socket) -> bool:
+    """An idle upstream connection can be reused: no EOF, no error, nothing unexpected to read."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+async def _wait_readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    fut: asyncio.Future[None] = loop.create_future()
+    fd = sock.fileno()
+
+    def wake() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(fd, wake)
+    try:
+        await fut
+    finally:
+        loop.remove_reader(fd)
+
+
+async def _connect(loop: asyncio.AbstractEventLoop, address: Address) -> socket.socket:
+    """Connect to the worker. Raises _WorkerGone if it cannot be reached."""
+    if address.path is not None:
+        family, target = socket.AF_UNIX, address.path
+    else:
+        host = address.host or "127.0.0.1"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        target = (host, address.port or 0)  # type: ignore[assignment]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, target)
+    except OSError as e:
+        sock.close()
+        reason = os.strerror(e.errno) if e.errno else str(e)
+        raise _WorkerGone(
+            f"the worker does not accept connections at {address}: {reason}"
+        ) from None
+    except BaseException:
+        sock.close()
+        raise
+    _nodelay(sock)
+    return sock
+
+
+async def _copy(loop: asyncio.AbstractEventLoop, src: socket.socket, dst: socket.socket) -> None:
+    """Copy src → dst until src's EOF, then shut down dst's write side. Holds a buffer only
+    while bytes are on their way."""
+    while True:
+        buf = _take()
+        try:
+            n = src.recv_into(buf)
+        except BlockingIOError:
+            _give(buf)
+            await _wait_readable(loop, src)
+            continue
+        except BaseException:
+            _give(buf)
+            raise
+        if n == 0:
+            _give(buf)
+            _shutdown_write(dst)
+            return
+        try:
+            await loop.sock_sendall(dst, memoryview(buf)[:n])
+        finally:
+            _give(buf)
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+async def _relay_both(loop: asyncio.AbstractEventLoop, a: socket.socket, b: socket.socket) -> None:
+    """Relay both directions until both have ended (half-close aware) or one fails."""
+    back = asyncio.create_task(_copy(loop, b, a))
+    back.add_done_callback(_retrieve)
+    try:
+        await _copy(loop, a, b)
+        await back
+    finally:
+        back.cancel()
+
+
+# -- one client connection -----------------------------------------------------------------
+
+
+class _Connection:
+    """State shared by the HTTP and TCP relays: the client, the worker connection, and the
+    watch that notices a client going away while nothing reads from it."""
+
+    def __init__(self, client: socket.socket, backend: Backend) -> None:
+        self.loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.client = client
+        self.backend = backend
+        self.up: socket.socket | None = None
+        self.up_generation = -1
+        self.client_eof = False
+        self.linger = False  # we close first: let the client read our last answer
+        self._aborted: BaseException | None = None
+        self._watching = False
+        self._waiting = False  # in ready(): the client's EOF means it gave up
+
+    # The watch: while the proxy does not read from the client, a readable client socket
+    # means EOF, an error, or more data (pipelining, tunnel data). Only the first two matter.
+
+    def watch(self, *, waiting: bool) -> None:
+        self._waiting = waiting
+        if not self._watching:
+            self.loop.add_reader(self.client.fileno(), self._client_readable)
+            self._watching = True
+
+    def unwatch(self) -> None:
+        if self._watching:
+            self.loop.remove_reader(self.client.fileno())
+            self._watching = False
+
+    def _client_readable(self) -> None:
+        try:
+            data = self.client.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self.unwatch()
+            self.abort(_ClientGone(f"client connection failed: {e.strerror or e}"))
+            return
+        self.unwatch()
+        if data:
+            return
+        self.client_eof = True
+        if self._waiting:
+            self.abort(_ClientGone("client closed the connection while waiting for the worker"))
+        elif self.up is not None:
+            _shutdown_write(self.up)  # pass the half-close on; the response still flows back
+
+    def abort(self, exc: BaseException) -> None:
+        """Stop what the connection's task awaits; `aborted()` turns the cancellation into exc."""
+        if self._aborted is None:
+            self._aborted = exc
+            self.task.cancel()
+
+    def aborted(self) -> BaseException | None:
+        """Called on CancelledError: the exception to raise instead, or None if the
+        cancellation came from outside (then re-raise it)."""
+        exc, self._aborted = self._aborted, None
+        if exc is not None and self.task.uncancel() == 0:
+            return exc
+        return None
+
+    async def upstream(self, address: Address, generation: int) -> tuple[socket.socket, bool]:
+        """A connection to the worker: the previous one if still good, else a new one."""
+        up = self.up
+        if up is not None:
+            if generation == self.up_generation and _still_open(up):
+                return up, True
+            self.drop_upstream()
+        up = await _connect(self.loop, address)
+        self.up, self.up_generation = up, generation
+        return up, False
+
+    def drop_upstream(self) -> None:
+        if self.up is not None:
+            self.up.close()
+            self.up = None
+
+    async def close(self) -> None:
+        self.unwatch()
+        self.drop_upstream()
+        client = self.client
+        try:
+            if self.linger and not self.client_eof:
+                # Closing with unread input makes the kernel send a reset that can destroy our
+                # answer before the client reads it: shut down writing, drain, then close.
+                _shutdown_write(client)
+                with contextlib.suppress(OSError, TimeoutError):
+                    async with asyncio.timeout(LINGER_S):
+                        buf = bytearray(4096)
+                        while await self.loop.sock_recv_into(client, buf):
+                            pass
+        finally:
+            client.close()
+
+
+class _Http(_Connection):
+    def __init__(self, client: socket.socket, backend: Backend) -> None:
+        super().__init__(client, backend)
+        self.buf: bytearray | None = None  # client bytes read and not yet forwarded
+        self.start = 0
+        self.end = 0
+        self.started = False  # the final response head went to the client
+        self.interim = False  # a 1xx response went to the client
+        self.deadline: asyncio.Timeout | None = None  # the request timeout
+        self.consumed = False  # the request body has been read from the client entirely
+
+    async def run(self) -> None:
+        while True:
+            head_end = await self.read_head()
+            if head_end < 0:
+                return
+            assert self.buf is not None
+            try:
+                request = parse_request_head(memoryview(self.buf)[self.start : head_end])
+            except HttpError as e:
+                await self.answer(e.status, {"error": e.reason}, close=True)
+                return
+            if not await self.request(request, head_end):
+                return
+
+    # -- the client side
+
+    def release_buffer(self) -> None:
+        if self.buf is not None and self.start == self.end:
+            _give(self.buf)
+            self.buf = None
+            self.start = self.end = 0
+
+    async def read_head(self) -> int:
+        """Read until a request head is complete; return the index past its blank line, or -1
+        if the connection ended (cleanly or after an answer)."""
+        while True:
+            buf = self.buf
+            if buf is not None:
+                self.start = skip_empty_lines(buf, self.start, self.end)
+                pending = self.end - self.start
+                if pending:
+                    head_end = find_head_end(buf, self.start, self.end)
+                    if head_end >= 0:
+                        return head_end
+                    if pending >= MAX_HEAD:
+                        await self.answer(
+                            431, {"error": f"request head larger than {MAX_HEAD} bytes"}, close=True
+                        )
+                        return -1
+                    if self.end == len(buf):
+                        buf[:pending] = buf[self.start : self.end]
+                        self.start, self.end = 0, pending
+                else:
+                    self.start = self.end = 0
+            if self.client_eof:
+                return -1
+            if buf is None:
+                buf = self.buf = _take()
+            try:
+                n = self.client.recv_into(memoryview(buf)[self.end :])
+            except BlockingIOError:
+                self.release_buffer()  # an idle connection holds no buffer
+                await _wait_readable(self.loop, self.client)
+                continue
+            except OSError:
+                self.client_eof = True
+                return -1
+            if n == 0:
+                self.client_eof = True
+                if self.end > self.start:
+                    log.debug("Client closed the connection in the middle of a request head")
+                return -1
+            self.end += n
+
+    async def answer(
+        self,
+        status: int,
+        body: Mapping[str, object],
+        *,
+        close: bool,
+        retry_after_s: float | None = None,
+        head_only: bool = False,
+    ) -> bool:
+        """Answer the client ourselves. Returns whether the connection can go on."""
+        full = {"error": body["error"], "provider": self.backend.slug, "retry_after_s": None}
+        full.update(body)
+        data = error_response(
+            status, full, close=close, retry_after_s=retry_after_s, head_only=head_only
+        )
+        self.started = True
+        if close:
+            self.linger = True
+        try:
+            await self.loop.sock_sendall(self.client, data)
+        except OSError:
+            return False
+        return not close
+
+    # -- one request
+
+    async def request(self, req: RequestHead, head_end: int) -> bool:
+        """Serve one request whose head is buf[start:head_end]. Returns whether the client
+        connection goes on."""
+        assert self.buf is not None
+        self.started = self.consumed = self.interim = False
+        scanner: ChunkedScanner | None = None
+        body_end = -1  # where the body ends in buf, if all of it is there
+        if req.body == "none":
+            body_end = head_end
+        elif req.body == "length":
+            if self.end - head_end >= req.length:
+                body_end = head_end + req.length
+        else:
+            scanner = ChunkedScanner()
+            try:
+                body_end = scanner.scan(self.buf, head_end, self.end)
+            except HttpError as e:
+                await self.answer(e.status, {"error": e.reason}, close=True)
+                return False
+        self.consumed = body_end >= 0
+        try:
+            lease = self.backend.lease(req.path)
+        except Unavailable as e:
+            return await self.unavailable(req, e, body_end)
+        try:
+            return await self.exchange(req, head_end, body_end, scanner)
+        finally:
+            lease.release()
+
+    async def answer_request(
+        self,
+        req: RequestHead,
+        body_end: int,
+        status: int,
+        body: Mapping[str, object],
+        retry_after_s: float | None = None,
+    ) -> bool:
+        """Answer a request ourselves; the connection goes on if its body has been read."""
+        close = not (req.keep_alive and self.consumed)
+        if not close and body_end >= 0:
+            self.start = body_end  # skip the request's body (a pumped body already moved on)
+        return await self.answer(
+            status, body, close=close, retry_after_s=retry_after_s, head_only=req.method == "HEAD"
+        )
+
+    async def unavailable(self, req: RequestHead, e: Unavailable, body_end: int) -> bool:
+        return await self.answer_request(
+            req, body_end, e.status, e.body(self.backend.slug), e.retry_after_s
+        )
+
+    async def exchange(
+        self, req: RequestHead, head_end: int, body_end: int, scanner: ChunkedScanner | None
+    ) -> bool:
+        self.watch(waiting=True)
+        try:
+            try:
+                address, generation = await self.backend.ready()
+            finally:
+                self.unwatch()
+        except Unavailable as e:
+            return await self.unavailable(req, e, body_end)
+        except asyncio.CancelledError:
+            if self.aborted() is None:
+                raise
+            return False
+        timeout_s = self.backend.request_timeout_s
+        try:
+            try:
+                async with asyncio.timeout(timeout_s if timeout_s > 0 else None) as deadline:
+                    self.deadline = deadline
+                    return await self.forward(req, head_end, body_end, scanner, address, generation)
+            except asyncio.CancelledError:
+                exc = self.aborted()
+                if exc is None:
+                    raise
+                raise exc from None
+        except TimeoutError:
+            self.drop_upstream()
+            if self.started:
+                return False
+            return await self.answer_request(
+                req, body_end, 504, {"error": f"request timed out after {timeout_s:g} s"}
+            )
+        except _WorkerGone as e:
+            self.drop_upstream()
+            if self.started:
+                log.debug("Failed to relay a response: %s", e)
+                return False
+            return await self.answer_request(
+                req, body_end, 503, {"error": str(e)}, WORKER_GONE_RETRY_AFTER_S
+            )
+        except HttpError as e:
+            self.drop_upstream()
+            if self.started:
+                log.debug("Failed to relay a response: %s", e.reason)
+                return False
+            return await self.answer(
+                e.status, {"error": e.reason}, close=True, head_only=req.method == "HEAD"
+            )
+        except _ClientGone:
+            self.drop_upstream()
+            return False
+
+    async def forward(
+        self,
+        req: RequestHead,
+        head_end: int,
+        body_end: int,
+        scanner: ChunkedScanner | None,
+        address: Address,
+        generation: int,
+    ) -> bool:
+        assert self.buf is not None
+        view = memoryview(self.buf)
+        if body_end >= 0:
+            # The whole request is here: send it at once, watch the client meanwhile.
+            request_start = self.start
+            for attempt in (1, 2):
+                up, reused = await self.upstream(address, generation)
+                self.watch(waiting=False)
+                try:
+                    try:
+                        await self.loop.sock_sendall(up, view[request_start:body_end])
+                    except OSError as e:
+                        raise _WorkerGone(f"the worker closed the connection ({e})") from None
+                    self.start = body_end
+                    return await self.relay_response(req, up, None)
+                except _WorkerGone:
+                    # A reused connection the worker closed just now: try a new one, once.
+                    if not (
+                        reused
+                        and attempt == 1
+                        and not self.started
+                        and not self.interim
+                        and req.method in _IDEMPOTENT
+                    ):
+                        raise
+                    self.start = request_start
+                    self.drop_upstream()
+                finally:
+                    self.unwatch()
+            raise AssertionError("unreachable")
+        # The body is still coming: a second task carries it while the response flows back
+        # (Expect: 100-continue, or a worker answering before the body ends).
+        up, _ = await self.upstream(address, generation)
+        try:
+            await self.loop.sock_sendall(up, view[self.start : self.end])
+        except OSError as e:
+            raise _WorkerGone(f"the worker closed the connection ({e})") from None
+        pump = asyncio.create_task(self.pump_body(req, up, head_end, scanner))
+        pump.add_done_callback(_retrieve)
+        response = asyncio.create_task(self.relay_response(req, up, pump))
+        response.add_done_callback(_retrieve)
+        try:
+            done, _ = await asyncio.wait((pump, response), return_when=asyncio.FIRST_COMPLETED)
+            if pump in done and response not in done:
+                exc = pump.exception()
+                # A worker that stops reading the body may still answer (413, 401 ...).
+                if exc is not None and not isinstance(exc, _WorkerGone):
+                    raise exc
+            return await response
+        finally:
+            response.cancel()
+            if not pump.done():
+                pump.cancel()
+                self.consumed = False
+
+    async def pump_body(
+        self, req: RequestHead, up: socket.socket, head_end: int, scanner: ChunkedScanner | None
+    ) -> None:
+        """Carry the rest of the request body (buf[start:end] already went to the worker)."""
+        assert self.buf is not None
+        buf = self.buf
+        view = memoryview(buf)
+        loop = self.loop
+        remaining = req.length - (self.end - head_end)
+        self.start = self.end = 0
+        while True:
+            limit = len(buf) if scanner is not None else min(len(buf), remaining)
+            try:
+                n = await loop.sock_recv_into(self.client, view[:limit])
+            except OSError as e:
+                raise _ClientGone(f"client connection failed: {e.strerror or e}") from None
+            if n == 0:
+                self.client_eof = True
+                raise _ClientGone("client closed the connection in the middle of a request body")
+            last = n
+            if scanner is not None:
+                at = scanner.scan(buf, 0, n)
+                if at >= 0:
+                    last = at
+            else:
+                remaining -= n
+            try:
+                await loop.sock_sendall(up, view[:last])
+            except OSError as e:
+                raise _WorkerGone(f"the worker closed the connection ({e})") from None
+            if (scanner is not None and scanner.done) or (scanner is None and remaining == 0):
+                self.start, self.end = last, n  # whatever follows is the next request
+                self.consumed = True
+                return
+
+    # -- the response
+
+    async def relay_response(
+        self, req: RequestHead, up: socket.socket, pump: asyncio.Task[None] | None
+    ) -> bool:
+        """Relay interim responses and the final one. Returns whether the client connection
+        goes on."""
+        loop = self.loop
+        client = self.client
+        buf = _take()
+        view = memoryview(buf)
+        s = e = 0
+        try:
+            while True:
+                head_end = find_head_end(buf, s, e) if e > s else -1
+                if head_end < 0:
+                    if e - s >= MAX_HEAD:
+                        raise HttpError(502, f"the worker sent a head larger than {MAX_HEAD} bytes")
+                    if e == len(buf):
+                        buf[: e - s] = buf[s:e]
+                        s, e = 0, e - s
+                    n = await self.recv_up(up, view[e:])
+                    if n == 0:
+                        raise _WorkerGone("the worker closed the connection before answering")
+                    e += n
+                    continue
+                resp = parse_response_head(view[s:head_end], req.method)
+                if resp.status >= 200 or resp.body == "tunnel":
+                    break
+                await self.send_client(view[s:head_end])  # interim (1xx) response
+                self.interim = True
+                s = head_end
+            self.started = True
+            reusable = await self.relay_body(resp, up, buf, s, head_end, e)
+        finally:
+            _give(buf)
+        if resp.body == "tunnel":
+            if self.deadline is not None:
+                self.deadline.reschedule(None)  # a tunnel lives as long as its peers want
+            if pump is not None:
+                await pump
+            if self.end > self.start:  # bytes the client sent after its head
+                assert self.buf is not None
+                await loop.sock_sendall(up, memoryview(self.buf)[self.start : self.end])
+                self.start = self.end
+            self.release_buffer()
+            self.unwatch()
+            await _relay_both(loop, client, up)
+            self.client_eof = True
+            return False
+        if pump is not None and pump.done() and not pump.cancelled():
+            pump.result()
+        if not reusable or not resp.keep_alive:
+            self.drop_upstream()
+        keep = (
+            req.keep_alive
+            and resp.keep_alive
+            and resp.body != "close"
+            and not self.client_eof
+            and (pump is None or pump.done())
+            and self.consumed
+        )
+        if not keep:
+            self.linger = True
+        return keep
+
+    async def recv_up(self, up: socket.socket, into: memoryview) -> int:
+        try:
+            return await self.loop.sock_recv_into(up, into)
+        except OSError as e:
+            raise _WorkerGone(f"the worker connection failed ({e.strerror or e})") from None
+
+    async def send_client(self, data: memoryview) -> None:
+        try:
+            await self.loop.sock_sendall(self.client, data)
+        except OSError as e:
+            raise _ClientGone(f"client connection failed: {e.strerror or e}") from None
+
+    async def relay_body(
+        self, resp: ResponseHead, up: socket.socket, buf: bytearray, s: int, head_end: int, e: int
+    ) -> bool:
+        """Send the response head and body in buf[s:e] and what follows from the worker.
+        Returns whether the worker connection can serve another request."""
+        view = memoryview(buf)
+        size = len(buf)
+        if resp.body in ("none", "tunnel"):
+            await self.send_client(view[s : e if resp.body == "tunnel" else head_end])
+            return e == head_end
+        if resp.body == "length":
+            remaining = resp.length
+            first = min(e - head_end, remaining)
+            remaining -= first
+            await self.send_client(view[s : head_end + first])
+            extra = e > head_end + first
+            while remaining:
+                n = await self.recv_up(up, view[: min(size, remaining)])
+                if n == 0:
+                    raise _WorkerGone(
+                        "the worker closed the connection in the middle of a response"
+                    )
+                remaining -= n
+                await self.send_client(view[:n])
+            return not extra
+        if resp.body == "chunked":
+            scanner = ChunkedScanner()
+            try:
+                at = scanner.scan(buf, head_end, e)
+                await self.send_client(view[s : at if at >= 0 else e])
+                if at >= 0:
+                    return at == e
+                while True:
+                    n = await self.recv_up(up, view)
+                    if n == 0:
+                        raise _WorkerGone(
+                            "the worker closed the connection in the middle of a response"
+                        )
+                    at = scanner.scan(buf, 0, n)
+                    await self.send_client(view[: at if at >= 0 else n])
+                    if at >= 0:
+                        return at == n
+            except HttpError as err:
+                raise HttpError(
+                    502, f"the worker sent a malformed chunked body: {err.reason}"
+                ) from None
+        # Close-delimited: everything until the worker's EOF.
+        await self.send_client(view[s:e])
+        while True:
+            n = await self.recv_up(up, view)
+            if n == 0:
+                return False
+            await self.send_client(view[:n])
+
+
+async def serve_http(client: socket.socket, backend: Backend) -> None:
+    """Serve one accepted HTTP client connection until it ends. Never raises (except
+    CancelledError when the task is cancelled); always closes `client` and releases leases."""
+    client.setblocking(False)
+    _nodelay(client)
+    conn = _Http(client, backend)
+    try:
+        await conn.run()
+    except asyncio.CancelledError:
+        if conn.aborted() is None:
+            conn.linger = False
+            raise
+    except Exception as e:
+        log.debug("Failed to relay an HTTP connection: %s", e, exc_info=True)
+    finally:
+        if conn.buf is not None:
+            _give(conn.buf)
+            conn.buf = None
+        await conn.close()
+
+
+async def serve_tcp(client: socket.socket, backend: Backend) -> None:
+    """Relay one accepted TCP client connection to the worker; the connection is one lease.
+    Never raises (except CancelledError when the task is cancelled); always closes `client`."""
+    client.setblocking(False)
+    _nodelay(client)
+    conn = _Connection(client, backend)
+    lease: Lease | None = None
+    try:
+        lease = backend.lease(None)
+        conn.watch(waiting=True)
+        try:
+            address, generation = await backend.ready()
+        finally:
+            conn.unwatch()
+        up, _ = await conn.upstream(address, generation)
+        await _relay_both(conn.loop, client, up)
+    except asyncio.CancelledError:
+        if conn.aborted() is None:
+            raise
+    except Unavailable as e:
+        log.debug("Closing a TCP connection: %s", e.error)
+    except Exception as e:
+        log.debug("Failed to relay a TCP connection: %s", e, exc_info=True)
+    finally:
+        if lease is not None:
+            lease.release()
+        await conn.close()

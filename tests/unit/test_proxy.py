@@ -1,0 +1,1046 @@
+"""The data path on real loopback and unix sockets (agent.proxy).
+
+The front is replaced by `FakeBackend` (leases counted, readiness gated by an event);
+workers are small scripted asyncio servers; clients are raw sockets. Every test runs
+in its own event loop under a hard deadline so a hang fails instead of blocking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import tempfile
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent import proxy
+from agent.model import Address
+from agent.proxy import Unavailable, serve_http, serve_tcp
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class FakeLease:
+    def __init__(self, backend: FakeBackend, path: str | None) -> None:
+        self.backend = backend
+        self.path = path
+        self.holding = path not in backend.ignore
+        self.released = False
+        if self.holding:
+            backend.active += 1
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        if self.holding:
+            self.backend.active -= 1
+
+
+class FakeBackend:
+    """The front's side of the contract: leases, readiness, the request timeout."""
+
+    slug = "demo"
+
+    def __init__(self, address: Address, request_timeout_s: float = 30.0) -> None:
+        self.address = address
+        self.generation = 1
+        self.request_timeout_s = request_timeout_s
+        self.ignore: tuple[str, ...] = ()
+        self.leases: list[FakeLease] = []
+        self.active = 0
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.unavailable: Unavailable | None = None
+        self.ready_cancelled = 0
+        self.waiting = 0
+
+    @property
+    def paths(self) -> list[str | None]:
+        return [lease.path for lease in self.leases]
+
+    def lease(self, path: str | None) -> FakeLease:
+        lease = FakeLease(self, path)
+        self.leases.append(lease)
+        return lease
+
+    async def ready(self) -> tuple[Address, int]:
+        self.waiting += 1
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.ready_cancelled += 1
+            raise
+        finally:
+            self.waiting -= 1
+        if self.unavailable is not None:
+            raise self.unavailable
+        return self.address, self.generation
+
+
+class Worker:
+    """A scripted worker: `handler` runs for each connection; connections are counted."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+        self.address = Address("127.0.0.1", 0)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def start(self, unix: str | None = None) -> Worker:
+        if unix is not None:
+            self.server = await asyncio.start_unix_server(self._handle, unix)
+            self.address = Address(None, None, unix)
+        else:
+            self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+            port = self.server.sockets[0].getsockname()[1]
+            self.address = Address("127.0.0.1", port)
+        return self
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1):
+                    await self.server.wait_closed()
+
+
+class Proxy:
+    """Accepts on a loopback or unix listener and runs serve_http/serve_tcp per connection."""
+
+    def __init__(
+        self, backend: FakeBackend, serve: Callable[..., Coroutine[Any, Any, None]]
+    ) -> None:
+        self.backend = backend
+        self.serve = serve
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.done: list[asyncio.Task[None]] = []
+        self.listener: socket.socket | None = None
+        self.accepting: asyncio.Task[None] | None = None
+        self.unix: str | None = None
+
+    async def start(self, unix: str | None = None) -> Proxy:
+        if unix is not None:
+            sock = socket.socket(socket.AF_UNIX)
+            sock.bind(unix)
+            self.unix = unix
+        else:
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        sock.setblocking(False)
+        self.listener = sock
+        self.accepting = asyncio.create_task(self._accept())
+        return self
+
+    async def _accept(self) -> None:
+        assert self.listener is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            client, _ = await loop.sock_accept(self.listener)
+            task = asyncio.create_task(self.serve(client, self.backend))
+            self.tasks.add(task)
+            task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self.done.append(task)
+
+    async def connect(self) -> Client:
+        assert self.listener is not None
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX) if self.unix is not None else socket.socket()
+        sock.setblocking(False)
+        await loop.sock_connect(sock, self.listener.getsockname())
+        return Client(sock)
+
+    async def settle(self) -> None:
+        """Wait until every connection task has ended; none may have raised."""
+        async with asyncio.timeout(5):
+            while self.tasks:
+                await asyncio.sleep(0.005)
+        for task in self.done:
+            assert task.exception() is None
+
+    async def stop(self) -> None:
+        if self.accepting is not None:
+            self.accepting.cancel()
+        for task in list(self.tasks):
+            task.cancel()
+        for task in list(self.tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.listener is not None:
+            self.listener.close()
+
+
+class Client:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self.buf = b""
+
+    async def send(self, data: bytes) -> None:
+        await self.loop.sock_sendall(self.sock, data)
+
+    async def _more(self) -> bytes:
+        data = await self.loop.sock_recv(self.sock, 65536)
+        self.buf += data
+        return data
+
+    async def read_until(self, marker: bytes) -> bytes:
+        while marker not in self.buf:
+            if not await self._more():
+                raise EOFError(f"EOF before {marker!r}; got {self.buf[:200]!r}")
+        i = self.buf.index(marker) + len(marker)
+        data, self.buf = self.buf[:i], self.buf[i:]
+        return data
+
+    async def read_exactly(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            if not await self._more():
+                raise EOFError(f"EOF after {len(self.buf)} of {n} bytes")
+        data, self.buf = self.buf[:n], self.buf[n:]
+        return data
+
+    async def read_to_eof(self) -> bytes:
+        while await self._more():
+            pass
+        data, self.buf = self.buf, b""
+        return data
+
+    async def response(self, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+        """One response: status, headers (lower-case names), body (raw for chunked)."""
+        head = await self.read_until(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ")[1])
+        headers = {}
+        for line in lines[1:]:
+            if line:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+        if method == "HEAD" or status in (204, 304) or status < 200:
+            return status, headers, b""
+        if "content-length" in headers:
+            return status, headers, await self.read_exactly(int(headers["content-length"]))
+        if headers.get("transfer-encoding") == "chunked":
+            return status, headers, await self.read_until(b"0\r\n\r\n")
+        return status, headers, await self.read_to_eof()
+
+    async def eof(self) -> bool:
+        """True if the proxy closed the connection (after any buffered bytes)."""
+        async with asyncio.timeout(3):
+            return not self.buf and not await self._more()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    async def bounded() -> None:
+        async with asyncio.timeout(15):
+            await test()
+
+    asyncio.run(bounded())
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """Read one request (Content-Length or no body); returns (head, body)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head, await reader.readexactly(length)
+
+
+def ok(body: bytes = b"ok", extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+async def echo_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answers every request with `<method> <target> <body>`."""
+    while True:
+        try:
+            head, body = await read_request(reader)
+        except asyncio.IncompleteReadError:
+            return
+        line = head.split(b"\r\n")[0].rsplit(b" ", 1)[0]
+        writer.write(ok(line + b" " + body))
+        await writer.drain()
+
+
+class Setup:
+    def __init__(
+        self, handler: Handler, serve: Callable[..., Coroutine[Any, Any, None]] = serve_http
+    ) -> None:
+        self.handler = handler
+        self.serve = serve
+
+    async def __aenter__(self) -> tuple[Worker, FakeBackend, Proxy]:
+        self.worker = await Worker(self.handler).start()
+        self.backend = FakeBackend(self.worker.address)
+        self.proxy = await Proxy(self.backend, self.serve).start()
+        return self.worker, self.backend, self.proxy
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.proxy.stop()
+        await self.worker.stop()
+
+
+# -- requests, keep-alive, leases ------------------------------------------------------
+
+
+def test_keep_alive_reuses_one_worker_connection_and_leases_each_request() -> None:
+    async def test() -> None:
+        async with Setup(echo_worker) as (worker, backend, px):
+            client = await px.connect()
+            await client.send(b"GET /a?x=1 HTTP/1.1\r\nHost: h\r\n\r\n")
+            assert await client.response() == (200, {"content-length": "11"}, b"GET /a?x=1 ")
+            assert backend.active == 0  # released at the response's end
+            await client.send(b"POST /b HTTP/1.1\r\nContent-Length: 4\r\n\r\nbody")
+            assert (await client.response())[2] == b"POST /b body"
+            assert backend.paths == ["/a", "/b"]
+            assert all(lease.released for lease in backend.leases)
+            assert worker.connections == 1
+            # Idle keep-alive: open, no lease held, nothing new leased.
+            await asyncio.sleep(0.05)
+            assert backend.active == 0 and len(backend.leases) == 2 and len(px.tasks) == 1
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_lease_is_held_exactly_while_the_request_is_in_flight() -> None:
+    release = asyncio.Event()
+    seen: list[int] = []
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab")
+        await writer.drain()
+        await release.wait()
+        writer.write(b"cd")
+        await writer.drain()
+        await reader.read()
+
+    async def test() -> None:
+        async with Setup(slow) as (_, backend, px):
+            client = await px.connect()
+            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            await client.read_until(b"ab")
+            seen.append(backend.active)  # response begun, not ended
+            release.set()
+            assert await client.read_exactly(2) == b"cd"
+            seen.append(backend.active)
+            client.close()
+            await px.settle()
+        assert seen == [1, 0]
+
+    run(test)
+
+
+def test_ignored_path_gets_the_path_without_query_and_a_non_holding_lease() -> None:
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+            backend.ignore = ("/health",)
+            client = await px.connect()
+            await client.send(b"GET /health?verbose=1 HTTP/1.1\r\n\r\n")
+            await client.response()
+            assert backend.paths == ["/health"]
+            assert not backend.leases[0].holding and backend.leases[0].released
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_pipelined_requests_are_served_in_order() -> None:
+    async def test() -> None:
+        async with Setup(echo_worker) as (worker, backend, px):
+            client = await px.connect()
+            await client.send(
+                b"GET /1 HTTP/1.1\r\n\r\n"
+                b"POST /2 HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc"
+                b"\r\n"  # a stray CRLF between requests is allowed
+                b"GET /3 HTTP/1.1\r\nConnection: close\r\n\r\n"
+            )
+            bodies = [(await client.response())[2] for _ in range(3)]
+            assert bodies == [b"GET /1 ", b"POST /2 abc", b"GET /3 "]
+            assert await client.eof()
+            assert backend.paths == ["/1", "/2", "/3"] and backend.active == 0
+            assert worker.connections == 1
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_http10_client_without_keep_alive_is_closed_after_the_response() -> None:
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+            client = await px.connect()
+            await client.send(b"GET / HTTP/1.0\r\n\r\n")
+            assert (await client.response())[0] == 200
+            assert await client.eof()
+            client.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
+
+
+# -- bodies ------------------------------------------------------------------------------
+
+
+CHUNKED_BODY = (
+    b"4;ext=1\r\nWiki\r\n6\r\npedia \r\nE;a=b;c\r\nin \r\n\r\nchunks.\r\n0\r\nChecksum: abc\r\n\r\n"
+)
+
+
+def test_chunked_request_and_response_with_extensions_and_trailers_pass_unchanged() -> None:
+    received: list[bytes] = []
+
+    async def chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            if b"chunked" in head:
+                received.append(await reader.readuntil(b"0\r\nChecksum: abc\r\n\r\n"))
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + CHUNKED_BODY)
+            await writer.drain()
+
+    async def test() -> None:
+        async with Setup(chunked) as (_, backend, px):
+            client = await px.connect()
+            head = b"POST /c HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+            # In pieces, so the body is still coming when the worker is reached.
+            await client.send(head + CHUNKED_BODY[:10])
+            await asyncio.sleep(0.05)
+            await client.send(CHUNKED_BODY[10:])
+            end = b"0\r\nChecksum: abc\r\n\r\n"
+            assert (await client.read_until(b"\r\n\r\n")).startswith(b"HTTP/1.1 200 OK")
+            assert await client.read_until(end) == CHUNKED_BODY
+            assert received == [CHUNKED_BODY]
+            # The framing ended where it should: the connection goes on.
+            await client.send(b"GET /next HTTP/1.1\r\n\r\n")
+            await client.read_until(b"\r\n\r\n")
+            assert await client.read_until(end) == CHUNKED_BODY
+            assert backend.paths == ["/c", "/next"] and backend.active == 0
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_large_request_body_arrives_unchanged() -> None:
+    payload = bytes(range(256)) * 4096 * 4  # 4 MiB
+
+    async def digest(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _, body = await read_request(reader)
+        writer.write(ok(b"%d %d" % (len(body), hash(body))))
+        await writer.drain()
+
+    async def test() -> None:
+        async with Setup(digest) as (_, backend, px):
+            client = await px.connect()
+            sending = asyncio.create_task(
+                client.send(
+                    b"PUT /x HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload
+                )
+            )
+            _, _, body = await client.response()
+            await sending
+            assert body == b"%d %d" % (len(payload), hash(payload))
+            assert backend.active == 0
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_expect_100_continue_is_relayed_before_the_body() -> None:
+    async def continuing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert b"100-continue" in head
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await writer.drain()
+        body = await reader.readexactly(5)
+        writer.write(ok(body))
+        await writer.drain()
+        await reader.read()
+
+    async def test() -> None:
+        async with Setup(continuing) as (_, backend, px):
+            client = await px.connect()
+            await client.send(
+                b"PUT /u HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n"
+            )
+            assert await client.read_until(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+            await client.send(b"hello")
+            assert await client.response() == (200, {"content-length": "5"}, b"hello")
+            assert backend.active == 0
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+@pytest.mark.parametrize(
+    ("method", "answer"),
+    [
+        ("HEAD", b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n"),
+        ("GET", b"HTTP/1.1 204 No Content\r\n\r\n"),
+        ("GET", b"HTTP/1.1 304 Not Modified\r\nContent-Length: 1000\r\n\r\n"),
+        ("GET", b"HTTP/1.1 103 Early Hints\r\nLink: </s>\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n"),
+    ],
+)
+def test_responses_without_a_body_keep_the_connection(method: str, answer: bytes) -> None:
+    async def bodiless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            writer.write(answer if not head.startswith(b"GET /next") else ok())
+            await writer.drain()
+
+    async def test() -> None:
+        async with Setup(bodiless) as (_, backend, px):
+            client = await px.connect()
+            await client.send(f"{method} / HTTP/1.1\r\n\r\n".encode())
+            if answer.startswith(b"HTTP/1.1 103"):
+                assert (await client.response())[0] == 103
+            assert (await client.response(method))[0] in (200, 204, 304)
+            await client.send(b"GET /next HTTP/1.1\r\n\r\n")
+            assert (await client.response())[2] == b"ok"
+            assert backend.active == 0 and len(backend.leases) == 2
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_close_delimited_response_is_relayed_to_eof() -> None:
+    async def closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n")
+        for i in range(50):
+            writer.write(b"line %d\n" % i)
+            await writer.drain()
+        writer.close()
+
+    async def test() -> None:
+        async with Setup(closing) as (_, backend, px):
+            client = await px.connect()
+            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            _, _, body = await client.response()
+            assert body == b"".join(b"line %d\n" % i for i in range(50))
+            client.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
+
+
+# -- failures ---------------------------------------------------------------------------
+
+
+def test_unavailable_answers_503_json_with_retry_after_and_keeps_the_connection() -> None:
+    async def test() -> None:
+        async with Setup(echo_worker) as (worker, backend, px):
+            backend.unavailable = Unavailable(
+                503, "worker failed to start", retry_after_s=2.5, extra={"state": "failed"}
+            )
+            client = await px.connect()
+            await client.send(b"POST /x HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi")
+            status, headers, body = await client.response()
+            assert status == 503 and headers["retry-after"] == "3"
+            assert "connection" not in headers
+            assert json.loads(body) == {
+                "error": "worker failed to start",
+                "provider": "demo",
+                "retry_after_s": 2.5,
+                "state": "failed",
+            }
+            # The body was read: the connection goes on.
+            backend.unavailable = None
+            await client.send(b"GET /y HTTP/1.1\r\n\r\n")
+            assert (await client.response())[2] == b"GET /y "
+            assert backend.active == 0 and worker.connections == 1
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_unavailable_with_an_unread_body_closes_after_the_answer() -> None:
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+            backend.unavailable = Unavailable(503, "stopping", retry_after_s=None)
+            client = await px.connect()
+            await client.send(b"POST /x HTTP/1.1\r\nContent-Length: 100000\r\n\r\n" + b"x" * 1000)
+            status, headers, body = await client.response()
+            assert status == 503 and headers["connection"] == "close"
+            assert "retry-after" not in headers
+            assert json.loads(body)["retry_after_s"] is None
+            assert await client.eof()
+            client.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
+
+
+def test_lease_refused_by_the_front_is_answered() -> None:
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+
+            def refuse(path: str | None) -> FakeLease:
+                raise Unavailable(429, "too many requests held", retry_after_s=1)
+
+            backend.lease = refuse  # type: ignore[method-assign]
+            client = await px.connect()
+            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            status, headers, _ = await client.response()
+            assert status == 429 and headers["retry-after"] == "1"
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_worker_closing_before_the_response_gives_503() -> None:
+    async def dying(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+
+    async def test() -> None:
+        async with Setup(dying) as (_, backend, px):
+            client = await px.connect()
+            await client.send(b"POST / HTTP/1.1\r\nContent-Length: 1\r\n\r\nx")
+            status, headers, body = await client.response()
+            assert status == 503 and headers["retry-after"] == "1"
+            assert "before answering" in json.loads(body)["error"]
+            assert backend.active == 0
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_worker_refusing_connections_gives_503() -> None:
+    async def test() -> None:
+        async with Setup(echo_worker) as (worker, backend, px):
+            await worker.stop()
+            client = await px.connect()
+            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            status, _, body = await client.response()
+            assert status == 503
+            assert "does not accept connections" in json.loads(body)["error"]
+            assert backend.active == 0
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_worker_dying_in_the_middle_of_a_response_cuts_the_client() -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n0123456789")
+        await writer.drain()
+        writer.transport.abort()
+
+    async def test() -> None:
+        async with Setup(cut) as (_, backend, px):
+            client = await px.connect()
+            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            data = await client.read_to_eof()
+            assert data.endswith(b"\r\n\r\n0123456789")
+            client.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
+
+
+def test_malformed_worker_response_gives_502() -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await writer.drain()
+
+    async def test() -> None:
+        async with Setup(garbage) as (_, backend, px):
+            client = await px.connect()
+            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            status, headers, _ = await client.response()
+            assert status == 502 and headers["connection"] == "close"
+            client.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
+
+
+def test_request_timeout_gives_504_and_the_connection_goes_on() -> None:
+    stuck: list[bool] = []
+
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, _ = await read_request(reader)
+        if b"/slow" in head:
+            stuck.append(True)
+            await reader.read()  # never answers; notices the proxy hanging up
+            return
+        writer.write(ok())
+        await writer.drain()
+        await reader.read()
+
+    async def test() -> None:
+        async with Setup(mute) as (worker, backend, px):
+            backend.request_timeout_s = 0.2
+            client = await px.connect()
+            await client.send(b"GET /slow HTTP/1.1\r\n\r\n")
+            status, _, body = await client.response()
+            assert status == 504
+            assert json.loads(body)["error"] == "request timed out after 0.2 s"
+            assert backend.active == 0
+            await client.send(b"GET /fast HTTP/1.1\r\n\r\n")
+            assert (await client.response())[2] == b"ok"
+            assert worker.connections == 2 and stuck == [True]
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_request_timeout_after_the_response_began_closes() -> None:
+    async def stalls(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n12345")
+        await writer.drain()
+        await reader.read()
+
+    async def test() -> None:
+        async with Setup(stalls) as (_, backend, px):
+            backend.request_timeout_s = 0.2
+            client = await px.connect()
+            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            assert (await client.read_to_eof()).endswith(b"\r\n\r\n12345")
+            client.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
+
+
+def test_bad_request_head_and_oversized_head() -> None:
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+            client = await px.connect()
+            await client.send(b"GARBAGE\r\n\r\n")
+            status, headers, body = await client.response()
+            assert status == 400 and headers["connection"] == "close"
+            assert json.loads(body)["provider"] == "demo"
+            assert await client.eof()
+            client.close()
+            client = await px.connect()
+            await client.send(b"GET / HTTP/1.1\r\n" + b"X: " + b"y" * 70000)
+            status, _, _ = await client.response()
+            assert status == 431
+            client.close()
+            await px.settle()
+            assert backend.leases == []
+
+    run(test)
+
+
+# -- waiting for the worker ------------------------------------------------------------
+
+
+def test_held_request_is_served_once_ready_and_dropped_if_the_client_leaves() -> None:
+    async def test() -> None:
+        async with Setup(echo_worker) as (worker, backend, px):
+            backend.gate.clear()
+            held = await px.connect()
+            leaving = await px.connect()
+            await held.send(b"GET /held HTTP/1.1\r\n\r\n")
+            await leaving.send(b"GET /leaving HTTP/1.1\r\n\r\n")
+            async with asyncio.timeout(2):
+                while backend.waiting < 2:
+                    await asyncio.sleep(0.005)
+            assert backend.active == 2
+            leaving.close()  # gives up while the worker loads
+            async with asyncio.timeout(2):
+                while backend.ready_cancelled < 1:
+                    await asyncio.sleep(0.005)
+            assert backend.active == 1
+            backend.gate.set()
+            assert (await held.response())[2] == b"GET /held "
+            assert backend.active == 0 and worker.connections == 1
+            held.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_new_worker_generation_gets_a_new_worker_connection() -> None:
+    async def test() -> None:
+        async with Setup(echo_worker) as (worker, backend, px):
+            client = await px.connect()
+            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            await client.response()
+            backend.generation += 1
+            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            await client.response()
+            assert worker.connections == 2
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_worker_connection_closed_between_requests_is_replaced() -> None:
+    async def one_shot(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(ok())  # says keep-alive, then hangs up anyway (its idle timeout)
+        await writer.drain()
+
+    async def test() -> None:
+        async with Setup(one_shot) as (worker, _, px):
+            client = await px.connect()
+            for _ in range(3):
+                await client.send(b"GET / HTTP/1.1\r\n\r\n")
+                assert (await client.response())[0] == 200
+                await asyncio.sleep(0.02)
+            assert worker.connections == 3
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_backend_error_never_escapes_and_releases_the_lease() -> None:
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+
+            async def broken() -> tuple[Address, int]:
+                raise RuntimeError("bug")
+
+            backend.ready = broken  # type: ignore[method-assign]
+            client = await px.connect()
+            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            assert await client.eof()
+            client.close()
+            await px.settle()  # asserts no task raised
+            assert backend.active == 0 and backend.leases[0].released
+
+    run(test)
+
+
+# -- streams: half-close, backpressure, upgrade, unix, tcp -------------------------------
+
+
+def test_http_client_half_close_is_passed_on_and_the_response_still_arrives() -> None:
+    saw_eof: list[bool] = []
+
+    async def answers_after_eof(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        saw_eof.append(await reader.read() == b"")
+        writer.write(ok(b"late"))
+        await writer.drain()
+
+    async def test() -> None:
+        async with Setup(answers_after_eof) as (_, backend, px):
+            client = await px.connect()
+            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            await asyncio.sleep(0.05)
+            client.sock.shutdown(socket.SHUT_WR)
+            assert (await client.response())[2] == b"late"
+            assert await client.eof()
+            assert saw_eof == [True]
+            client.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
+
+
+def test_slow_reader_keeps_the_proxy_buffer_bounded() -> None:
+    total = 32 * 1024 * 1024
+    written = [0]
+
+    async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+        chunk = b"z" * 65536
+        for _ in range(total // len(chunk)):
+            writer.write(chunk)
+            await writer.drain()
+            written[0] += len(chunk)
+        await reader.read()
+
+    async def test() -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            worker = await Worker(big).start(unix=str(Path(tmp) / "w.sock"))
+            backend = FakeBackend(worker.address)
+            px = await Proxy(backend, serve_http).start(unix=str(Path(tmp) / "p.sock"))
+            try:
+                client = await px.connect()
+                await client.send(b"GET / HTTP/1.1\r\n\r\n")
+                # The client reads nothing: the worker must stall soon.
+                last = -1
+                while written[0] != last:
+                    last = written[0]
+                    await asyncio.sleep(0.1)
+                # Worker socket buffer + proxy buffer + client socket buffer, nothing more.
+                assert written[0] < 4 * 1024 * 1024
+                assert backend.active == 1
+                got = 0
+                head = await client.read_until(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200")
+                got = len(client.buf)
+                client.buf = b""
+                while got < total:
+                    got += len(await client.loop.sock_recv(client.sock, 1 << 20))
+                assert got == total
+                client.close()
+                await px.settle()
+                assert backend.active == 0
+            finally:
+                await px.stop()
+                await worker.stop()
+
+    run(test)
+
+
+def test_upgrade_becomes_a_tunnel_that_keeps_its_lease_past_the_request_timeout() -> None:
+    async def websocket(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+            b"hello"
+        )
+        await writer.drain()
+        while data := await reader.read(1024):
+            writer.write(data.upper())
+            await writer.drain()
+        writer.write(b"BYE")
+        await writer.drain()
+
+    async def test() -> None:
+        async with Setup(websocket) as (_, backend, px):
+            backend.request_timeout_s = 0.1
+            client = await px.connect()
+            await client.send(
+                b"GET /ws HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\nearly"
+            )
+            assert (await client.read_until(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+            assert await client.read_exactly(5) == b"hello"
+            assert await client.read_exactly(5) == b"EARLY"
+            await asyncio.sleep(0.3)  # past the request timeout
+            await client.send(b"frame")
+            assert await client.read_exactly(5) == b"FRAME"
+            assert backend.active == 1
+            client.sock.shutdown(socket.SHUT_WR)
+            assert await client.read_to_eof() == b"BYE"
+            client.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
+
+
+def test_unix_sockets_on_both_sides() -> None:
+    async def test() -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            worker = await Worker(echo_worker).start(unix=str(Path(tmp) / "w.sock"))
+            backend = FakeBackend(worker.address)
+            px = await Proxy(backend, serve_http).start(unix=str(Path(tmp) / "p.sock"))
+            try:
+                client = await px.connect()
+                await client.send(b"GET /u HTTP/1.1\r\n\r\n")
+                assert (await client.response())[2] == b"GET /u "
+                client.close()
+                await px.settle()
+            finally:
+                await px.stop()
+                await worker.stop()
+
+    run(test)
+
+
+async def tcp_echo_then_bye(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while data := await reader.read(65536):
+        writer.write(data)
+        await writer.drain()
+    writer.write(b"bye")
+    await writer.drain()
+
+
+def test_tcp_relay_half_close_and_one_lease_per_connection() -> None:
+    async def test() -> None:
+        async with Setup(tcp_echo_then_bye, serve_tcp) as (_, backend, px):
+            client = await px.connect()
+            payload = bytes(range(256)) * 8192  # 2 MiB
+            sending = asyncio.create_task(client.send(payload))
+            received = await client.read_exactly(len(payload))
+            await sending
+            assert received == payload
+            assert backend.active == 1 and backend.paths == [None]
+            client.sock.shutdown(socket.SHUT_WR)
+            assert await client.read_to_eof() == b"bye"
+            client.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
+
+
+def test_tcp_unavailable_closes_and_gone_client_releases() -> None:
+    async def test() -> None:
+        async with Setup(tcp_echo_then_bye, serve_tcp) as (_, backend, px):
+            backend.unavailable = Unavailable(503, "failed")
+            client = await px.connect()
+            assert await client.eof()
+            client.close()
+            backend.unavailable = None
+            backend.gate.clear()
+            client = await px.connect()
+            async with asyncio.timeout(2):
+                while backend.waiting < 1:
+                    await asyncio.sleep(0.005)
+            client.close()
+            await px.settle()
+            assert backend.active == 0 and backend.ready_cancelled == 1
+
+    run(test)
+
+
+def test_idle_connections_hold_no_buffer() -> None:
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, _, px):
+            proxy._pool.clear()
+            clients = [await px.connect() for _ in range(20)]
+            for client in clients:
+                await client.send(b"GET / HTTP/1.1\r\n\r\n")
+                await client.response()
+            await asyncio.sleep(0.05)
+            # Every buffer went back to the pool; the same two served every request.
+            assert len(proxy._pool) == 2
+            for client in clients:
+                client.close()
+            await px.settle()
+
+    run(test)
