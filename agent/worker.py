@@ -41,7 +41,8 @@ Signals and exit status
     from the wrapper). The wrapper exits with the model's status, a death by signal N
     as 128+N, whether the model was ready or not. Its own failures: 2 for a wrong
     command line, `--launch` that does not resolve, or bad placeholders; 127 when the
-    model's program does not exist, 126 when it cannot be executed.
+    model's program does not exist, 126 when it cannot be executed; 1 when the kernel
+    cannot give a pidfd for the model (Linux before 5.3).
 
 Log lines go to stderr, plain (journald adds the rest); the model's stdout and stderr
 are the wrapper's. Start-up cost is kept to a few ms: only C modules (`_socket`,
@@ -297,7 +298,18 @@ class Wrapper:
                 os._exit(code)
         os.close(w)
         self.pid = pid
-        self.pidfd = os.pidfd_open(pid)
+        try:
+            self.pidfd = os.pidfd_open(pid)
+        except OSError as e:
+            os.kill(pid, _signal.SIGKILL)
+            os.waitpid(pid, 0)
+            self.reaped = True
+            _signal.pthread_sigmask(_signal.SIG_SETMASK, mask)
+            raise Failure(
+                f"Failed to watch the model for {self.slug}: pidfd_open: {e.strerror} "
+                "(providerd needs Linux 5.3 or later)",
+                1,
+            ) from e
         _signal.pthread_sigmask(_signal.SIG_SETMASK, mask)  # pending signals go on now
         try:
             error = b""

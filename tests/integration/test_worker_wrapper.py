@@ -453,3 +453,95 @@ def test_bad_command_line_is_usage(wrapper: Start) -> None:
     err = run.stderr()
     assert err.startswith("agent.worker: --ready: expected tcp, http:/PATH or notify, got 'http'\n")
     assert "usage: python3 -m agent.worker" in err
+
+
+# -- the test worker's own switches (used by the front's tests and the other tiers) ----------
+
+
+@pytest.fixture
+def worker() -> Iterator[Callable[..., tuple[subprocess.Popen[str], int]]]:
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(*args: str) -> tuple[subprocess.Popen[str], int]:
+        port = free_port()
+        proc = subprocess.Popen(
+            [PY, MISBEHAVE, "--port", str(port), *args], stderr=subprocess.PIPE, text=True
+        )
+        procs.append(proc)
+        if "--unix" not in args:
+            wait_until("misbehave listening", lambda: accepts(port) or proc.poll() is not None)
+        return proc, port
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+Worker = Callable[..., tuple[subprocess.Popen[str], int]]
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_misbehave_crash_after_n_requests(worker: Worker) -> None:
+    proc, port = worker("--crash-after", "2")
+    assert get(port, "/health")[0] == 200  # not counted
+    assert get(port, "/pid")[0] == 200  # not counted
+    assert get(port, "/a")[0] == 200
+    assert get(port, "/b")[0] == 200  # answered, then the worker exits
+    assert proc.wait(10) == 3
+    assert proc.stderr is not None
+    assert "misbehave: crashing after 2 requests (exit status 3)" in proc.stderr.read()
+
+
+def test_misbehave_slow_body_and_stream(worker: Worker) -> None:
+    _, port = worker("--slow-body", "0.5", "--body-chunks", "5")
+    t0 = time.monotonic()
+    status, body = get(port, "/x")
+    assert status == 200
+    assert json.loads(body)["path"] == "/x"
+    assert time.monotonic() - t0 >= 0.5
+    t0 = time.monotonic()
+    status, body = get(port, "/stream")
+    assert body.decode().splitlines() == [f"chunk {i}" for i in range(5)]
+    assert time.monotonic() - t0 >= 0.5
+    assert get(port, "/stream?chunks=3&delay=0")[1] == b"chunk 0\nchunk 1\nchunk 2\n"
+
+
+def test_misbehave_slow_read(worker: Worker) -> None:
+    _, port = worker("--slow-read", "--read-rate", "200000")
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        t0 = time.monotonic()
+        c.request("POST", "/upload", body=b"x" * 100_000)
+        r = c.getresponse()
+        assert json.loads(r.read())["body_length"] == 100_000
+        assert time.monotonic() - t0 >= 0.4  # 100 kB at 200 kB/s
+    finally:
+        c.close()
+
+
+def test_misbehave_memory(worker: Worker) -> None:
+    proc, _ = worker("--memory-mb", "20", "--grow-mb-per-s", "50")
+    first = rss_kb(proc.pid)
+    assert first >= 20 * 1024
+    wait_until("memory growing", lambda: rss_kb(proc.pid) >= first + 10 * 1024)
+
+
+def test_misbehave_on_a_unix_socket(worker: Worker, tmp_path: Path) -> None:
+    path = tmp_path / "w.sock"
+    worker("--unix", str(path))
+    wait_until("unix socket", path.exists)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(path))
+        s.sendall(b"GET /pid HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = s.recv(4096)
+    assert head.startswith(b"HTTP/1.1 200 ")

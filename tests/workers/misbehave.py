@@ -246,10 +246,11 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if slow is None:
-            self.wfile.write(data)
+        if slow is None:  # head and body in one write: one segment for a small answer
+            self._headers_buffer.append(b"\r\n" + data)
+            self.flush_headers()
             return
+        self.end_headers()
         n = max(1, min(self.args.body_chunks, len(data)))
         size = -(-len(data) // n)
         pieces = [data[i : i + size] for i in range(0, len(data), size)]
