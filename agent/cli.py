@@ -134,7 +134,7 @@ def _size(n: int | None) -> str:
 
 
 def print_status(status: dict[str, Any], out: TextIO) -> None:
-    dot = {"ready": "●", "starting": "◐", "backoff": "×"}.get(status["state"], "○")
+    dot = {"ready": "●", "starting": "◐", "backoff": "x"}.get(status["state"], "○")
     title = f"{dot} {status['slug']}"
     if status.get("description"):
         title += f" — {status['description']}"
@@ -157,9 +157,7 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
     if status.get("last_start"):
         ls = status["last_start"]
         ago = time.time() - ls["at"]
-        print(
-            f"  Last start: {ago:.0f} s ago, took {ls['took_s']:g} s ({ls['result']})", file=out
-        )
+        print(f"  Last start: {ago:.0f} s ago, took {ls['took_s']:g} s ({ls['result']})", file=out)
     memory = status.get("memory") or {}
     if memory.get("current") is not None or memory.get("max") is not None:
         limit = f" (max {_size(memory.get('max'))})" if memory.get("max") else ""
@@ -257,7 +255,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def cmd_logs(args: argparse.Namespace) -> int:
     if shutil.which("journalctl") is None:
         return fail("journalctl is not available on this host")
-    argv = ["journalctl", "-u", f"provider@{args.slug}.service", "-u", f"provider-worker@{args.slug}.service"]
+    argv = [
+        "journalctl",
+        "-u",
+        f"provider@{args.slug}.service",
+        "-u",
+        f"provider-worker@{args.slug}.service",
+    ]
     if args.follow:
         argv.append("-f")
     os.execvp(argv[0], argv)

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from agent import paths
 from agent.systemd import Systemd
@@ -266,8 +266,9 @@ class ProcessWorker:
         self._tasks = [loop.create_task(self._pump_output(proc))]
         exited = loop.create_task(proc.wait())
         try:
+            waited: set[asyncio.Future[Any]] = {ready, exited}
             done, _ = await asyncio.wait(
-                {ready, exited}, timeout=self.start_timeout_s, return_when=asyncio.FIRST_COMPLETED
+                waited, timeout=self.start_timeout_s, return_when=asyncio.FIRST_COMPLETED
             )
             if ready in done:
                 self._tasks.append(loop.create_task(self._watch(proc, exited)))

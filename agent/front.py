@@ -19,7 +19,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from agent.control import DeviceRules, StartFailed, WorkerControl
@@ -67,24 +67,28 @@ class _Lease:
 
 
 class _Connection:
-    """The Backend one client connection sees: the front, plus its first-request grace."""
+    """The Backend one client connection sees: the front, plus its first-request grace.
+
+    Until its first request arrives (at most FIRST_REQUEST_GRACE_S), a new connection
+    keeps an idle exit from closing it; it does not restart the idle timer.
+    """
 
     def __init__(self, front: Front) -> None:
         self.front = front
         self.slug = front.provider.slug
         self.request_timeout_s = front.provider.request_timeout_s
-        self.grace: _Lease | None = _Lease(front, True)
+        self.fresh = True
+        front.fresh += 1
         self.timer = asyncio.get_running_loop().call_later(FIRST_REQUEST_GRACE_S, self.end_grace)
 
     def end_grace(self) -> None:
-        self.timer.cancel()
-        if self.grace is not None:
-            self.grace.release()
-            self.grace = None
+        if self.fresh:
+            self.fresh = False
+            self.timer.cancel()
+            self.front._fresh_end()
 
     def lease(self, path: str | None) -> _Lease:
-        held = path is None or path not in self.front.provider.idle_ignore_paths
-        lease = _Lease(self.front, held)
+        lease = self.front.lease(path)
         self.end_grace()
         return lease
 
@@ -114,6 +118,8 @@ class Front:
 
         self.state = State.IDLE
         self.in_flight = 0
+        self.fresh = 0  # connections whose first request has not arrived yet
+        self._idle_due = False  # the idle deadline passed while `fresh` connections waited
         self.waiters: list[asyncio.Future[None]] = []
         self.generation = 0
         self.address = Address("127.0.0.1", provider.worker_port)
@@ -121,6 +127,7 @@ class Front:
         self.last_used = time.time()
         self.last_start: dict[str, Any] | None = None
         self.failure: str | None = None
+        self.failure_extra: dict[str, object] = {}  # more JSON for the 503 (GPU holders)
         self.backoff = Backoff()
         self.backoff_until = 0.0
         self.done = asyncio.Event()  # set when the front has released everything and should exit
@@ -129,6 +136,7 @@ class Front:
         self._idle_timer: asyncio.TimerHandle | None = None
         self._backoff_timer: asyncio.TimerHandle | None = None
         self._connections: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()
         self._job: asyncio.Task[None] | None = None
         self._start_began = 0.0
         self._start_cause = ""
@@ -192,6 +200,7 @@ class Front:
 
     def _lease_begin(self) -> None:
         self.in_flight += 1
+        self._idle_due = False
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
@@ -212,10 +221,19 @@ class Front:
             self.provider.idle_timeout_s, self._idle
         )
 
+    def _fresh_end(self) -> None:
+        self.fresh -= 1
+        if self.fresh == 0 and self._idle_due:
+            self._idle()
+
     def _idle(self) -> None:
         self._idle_timer = None
         if self.in_flight or self.waiters or self.state == State.STARTING:
             return
+        if self.fresh:
+            self._idle_due = True  # decide once those connections have sent a request, or not
+            return
+        self._idle_due = False
         idle_s = self.provider.idle_timeout_s
         if self.exit_on_idle:
             self.release(f"Idle for {idle_s:g} s, releasing the worker")
@@ -249,7 +267,13 @@ class Front:
 
     def _unavailable(self) -> Unavailable:
         retry = max(1.0, self.backoff_until - time.monotonic())
-        return Unavailable(503, self.failure or "worker unavailable", retry_after_s=retry)
+        return Unavailable(
+            503, self.failure or "worker unavailable", retry_after_s=retry, extra=self.failure_extra
+        )
+
+    def release_worker(self, reason: str) -> None:
+        """Stop the worker now (over its VRAM budget, say); the next request starts it again."""
+        self._dispatch(Event.RELEASE, reason)
 
     def _dispatch(self, event: Event, cause: str = "") -> None:
         old = self.state
@@ -285,6 +309,7 @@ class Front:
             elif action == Action.RESET_BACKOFF:
                 self.backoff.reset()
                 self.failure = None
+                self.failure_extra = {}
             elif action == Action.ARM_IDLE and self.in_flight == 0:
                 self._arm_idle()
         if self.state == State.IDLE and self.waiters and self._accepting:
@@ -323,10 +348,15 @@ class Front:
             )
             await self.admission.released(self)
             self._stopped.set()
-            if isinstance(e, Unavailable):
-                self._dispatch(Event.START_FAILED, e.error)
+            body = getattr(e, "body", None)
+            if isinstance(body, dict):
+                reason = str(body.get("message", reason))
+                self.failure_extra = {
+                    k: v for k, v in body.items() if k not in ("error", "message")
+                }
             else:
-                self._dispatch(Event.START_FAILED, reason)
+                self.failure_extra = {}
+            self._dispatch(Event.START_FAILED, reason)
             return
         if self.state != State.STARTING:
             await self.worker.stop()  # released while it started
@@ -344,28 +374,29 @@ class Front:
             self.log.info("%s", self._release_reason)
         await self.worker.stop()
         await self.admission.released(self)
-        self.log.info(
-            "Worker stopped after %.1f s", asyncio.get_running_loop().time() - began
-        )
+        self.log.info("Worker stopped after %.1f s", asyncio.get_running_loop().time() - began)
         self._stopped.set()
         self._dispatch(Event.STOPPED)
 
     def _worker_exited(self, reason: str) -> None:
         if self.state == State.READY:
             self.log.error("Worker exited unexpectedly: %s", reason)
-            loop = asyncio.get_running_loop()
-            loop.create_task(self.admission.released(self))
+            self._spawn(self.admission.released(self))
             self._stopped.set()
         self._dispatch(Event.WORKER_EXITED, reason)
 
     # ------------------------------------------------------------------ control
 
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def release(self, reason: str) -> None:
         """Let go for good (systemd mode): stop accepting, say STOPPING, stop the worker, exit."""
         self.stop_accepting()
         self.notify(f"STOPPING=1\nSTATUS={reason}")
-        loop = asyncio.get_running_loop()
-        loop.create_task(self._release(reason))
+        self._spawn(self._release(reason))
 
     async def _release(self, reason: str) -> None:
         if self.state in (State.READY, State.STARTING):
@@ -497,10 +528,14 @@ def inherited_listeners() -> list[socket.socket]:
     listeners = []
     for fd in sorted(fds):
         if not daemon.is_socket(fd, socket.AF_UNSPEC, socket.SOCK_STREAM, 1):
-            raise SystemExit(f"File descriptor {fd} is not a listening stream socket, refusing to start")
+            raise SystemExit(
+                f"File descriptor {fd} is not a listening stream socket, refusing to start"
+            )
         listeners.append(socket.socket(fileno=fd))
     if not listeners:
-        raise SystemExit("No listening socket received; start provider@SLUG.socket, not the service")
+        raise SystemExit(
+            "No listening socket received; start provider@SLUG.socket, not the service"
+        )
     return listeners
 
 

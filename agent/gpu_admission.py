@@ -31,7 +31,6 @@ from agent.front import Admission
 from agent.gpu import Nvml, NvmlUnavailable, open_nvml
 from agent.model import Provider
 from agent.placement import Refusal, budget_bytes, device_allow, worker_env
-from agent.state import Event
 from agent.vram import Overage, VramSampler
 
 if TYPE_CHECKING:
@@ -117,7 +116,7 @@ class GpuAdmission(Admission):
         async def over(o: Overage) -> None:
             self.last_overage = o
             if o.action == "stop":
-                front._dispatch(Event.RELEASE, o.message)
+                front.release_worker(o.message)
 
         self.sampler = VramSampler(
             nvml,

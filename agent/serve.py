@@ -120,11 +120,11 @@ async def serve(providers: list[Provider]) -> int:
         servers.append(await rpc.serve(paths.control_socket(p.slug), front.handle))
         front.start_accepting()
         where = ", ".join(str(a) for a in p.addresses)
-        log.info("Serving %s on %s (%s), idle timeout %g s", p.slug, where, p.protocol, p.idle_timeout_s)
+        log.info(
+            "Serving %s on %s (%s), idle timeout %g s", p.slug, where, p.protocol, p.idle_timeout_s
+        )
         if missing := unenforced(p):
-            log.warning(
-                "%s: not enforced without systemd: %s", p.slug, ", ".join(missing)
-            )
+            log.warning("%s: not enforced without systemd: %s", p.slug, ", ".join(missing))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -20,8 +20,12 @@ class State(enum.Enum):
     IDLE = "idle"  # no worker; the next demand starts one
     STARTING = "starting"  # a worker start is under way; demands wait for it
     READY = "ready"  # the worker answers; requests are proxied
-    STOPPING = "stopping"  # the worker is being released; demands wait for the stop, then start again
-    BACKOFF = "backoff"  # the last start failed or the worker crashed; demands are refused until it ends
+    STOPPING = (
+        "stopping"  # the worker is being released; demands wait for the stop, then start again
+    )
+    BACKOFF = (
+        "backoff"  # the last start failed or the worker crashed; demands are refused until it ends
+    )
 
 
 class Event(enum.Enum):
@@ -104,7 +108,7 @@ class Backoff:
         self.failures = 0
 
     def next_delay(self) -> float:
-        delay = min(self.cap_s, self.first_s * (2 ** self.failures))
+        delay = min(self.cap_s, self.first_s * float(2**self.failures))
         self.failures += 1
         return delay
 

@@ -55,8 +55,8 @@ class DbusSystemd:
         self._units: dict[str, Any] = {}  # name -> proxy object
 
     async def connect(self) -> None:
-        from dbus_next import BusType
-        from dbus_next.aio import MessageBus
+        from dbus_next.aio.message_bus import MessageBus
+        from dbus_next.constants import BusType
 
         self._bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
         introspection = await self._bus.introspect(SD, SD_PATH)
@@ -109,7 +109,7 @@ class DbusSystemd:
         return variant.value
 
     async def set_properties(self, name: str, props: Sequence[tuple[str, str, Any]]) -> None:
-        from dbus_next import Variant
+        from dbus_next.signature import Variant
 
         await self._unit(name)
         await self._manager.call_set_unit_properties(

@@ -1,0 +1,211 @@
+"""The front in foreground mode, end to end: real sockets, real worker processes, real timing."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import signal
+import socket
+import time
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import alive, free_port, manifest, request, wait_gone
+
+pytestmark = pytest.mark.integration
+
+
+def pid_of(port: int, **kw: Any) -> int:
+    status, _, body = request(port, "/pid", **kw)
+    assert status == 200, body
+    return int(json.loads(body)["pid"])
+
+
+def test_cold_burst_one_start_all_served(serve: Any) -> None:
+    port = free_port()
+    s = serve(("burst", manifest(port, "--start-delay", "1")))
+    with concurrent.futures.ThreadPoolExecutor(30) as pool:
+        pids = list(pool.map(lambda _: pid_of(port), range(30)))
+    assert len(set(pids)) == 1
+    assert s.count("Starting worker") == 1
+    assert s.count("Worker ready after") == 1
+
+
+def test_idle_releases_worker_and_port_stays(serve: Any) -> None:
+    port = free_port()
+    s = serve(("idle", manifest(port, idle=1)))
+    first = pid_of(port)
+    s.wait_log("Idle for 1 s, releasing the worker", timeout=10)
+    s.wait_log("Worker stopped", timeout=10)
+    assert wait_gone(first)
+    second = pid_of(port)  # the port still answers: a fresh worker
+    assert second != first
+
+
+def test_ignored_paths_and_keepalive_do_not_hold(serve: Any) -> None:
+    port = free_port()
+    s = serve(("keep", manifest(port, idle=1)))
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    pid = pid_of(port, conn=conn)
+    # An open keep-alive connection and /health probes do not keep the worker.
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline and alive(pid):
+        request(port, "/health")
+        time.sleep(0.2)
+    assert not alive(pid)
+    assert s.count("Idle for 1 s") >= 1
+    conn.close()
+
+
+def test_request_in_flight_holds_the_worker(serve: Any) -> None:
+    port = free_port()
+    s = serve(("slow", manifest(port, "--slow-body", "2.5", idle=1)))
+    status, _, _ = request(port, "/stream")
+    assert status == 200
+    # The 2.5 s response outlived the 1 s idle timeout without a release in between.
+    lines = s.log
+    assert lines.count("Worker ready after") == 1
+    assert "releasing" not in lines.split("Worker ready after")[1].split("\n", 2)[0]
+
+
+def test_start_failure_503_with_backoff(serve: Any) -> None:
+    port = free_port()
+    s = serve(("broken", manifest(port, "--exit-at-start", "3")))
+    status, headers, body = request(port, "/x")
+    assert status == 503
+    assert int(headers["retry-after"]) >= 1
+    doc = json.loads(body)
+    assert doc["provider"] == "broken"
+    assert "status 3" in doc["error"]
+    assert doc["retry_after_s"] >= 1
+    # Within the backoff every request is answered at once, and nothing is restarted.
+    for _ in range(20):
+        assert request(port, "/x")[0] == 503
+    assert s.count("Starting worker") == 1
+    assert s.count("Failed to start worker") == 1
+
+
+def test_never_ready_times_out(serve: Any) -> None:
+    port = free_port()
+    text = manifest(port, "--never-ready").replace("start_timeout_s = 20", "start_timeout_s = 1")
+    s = serve(("slowpoke", text))
+    t0 = time.monotonic()
+    status, _, body = request(port, "/x")
+    assert status == 503
+    assert "within 1 s" in json.loads(body)["error"]
+    assert time.monotonic() - t0 < 10
+    s.wait_log("Failed to start worker")
+
+
+def test_crash_cuts_nothing_else_and_recovers(serve: Any) -> None:
+    port = free_port()
+    s = serve(("crashy", manifest(port, "--crash-after", "3")))
+    statuses = [request(port, "/x")[0] for _ in range(5)]
+    assert statuses[:3] == [200, 200, 200]
+    assert statuses[3] in (502, 503)  # the worker died answering or before
+    s.wait_log("Worker exited unexpectedly")
+    time.sleep(1.2)  # the first backoff is 1 s
+    assert request(port, "/x")[0] == 200
+
+
+def test_request_timeout_504_worker_keeps_running(serve: Any) -> None:
+    port = free_port()
+    text = manifest(port, "--slow-read", "--read-rate", "4096").replace(
+        "request_timeout_s = 10", "request_timeout_s = 1"
+    )
+    serve(("patient", text))
+    pid = pid_of(port)
+    t0 = time.monotonic()
+    status, _, body = request(port, "/x", method="POST", body=b"x" * 65536)
+    assert status == 504
+    assert "timed out" in json.loads(body)["error"]
+    assert time.monotonic() - t0 < 5
+    assert alive(pid)
+    assert pid_of(port) == pid
+
+
+def test_request_timeout_cuts_a_response_under_way(serve: Any) -> None:
+    port = free_port()
+    text = manifest(port, "--slow-body", "5").replace(
+        "request_timeout_s = 10", "request_timeout_s = 1"
+    )
+    serve(("cut", text))
+    pid = pid_of(port)
+    with pytest.raises((http.client.IncompleteRead, ConnectionError)):
+        request(port, "/stream")
+    assert pid_of(port) == pid
+
+
+def test_max_held_refuses_at_once(serve: Any) -> None:
+    port = free_port()
+    serve(("small", manifest(port, "--start-delay", "2", extra="max_held = 2")))
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(request, port, "/x") for _ in range(6)]
+        results = [f.result()[0] for f in futures]
+    assert results.count(200) >= 2
+    assert 503 in results
+
+
+def test_tcp_connection_is_a_lease(serve: Any) -> None:
+    port = free_port()
+    s = serve(("raw", manifest(port, protocol="tcp", ready="tcp", idle=1)))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+        c.sendall(b"GET /pid HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = c.recv(4096)
+        assert b"200" in first.split(b"\r\n")[0]
+        time.sleep(2)  # longer than the idle timeout: the open connection holds
+        assert s.count("releasing the worker") == 0
+        c.sendall(b"GET /pid HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"200" in c.recv(4096)
+    s.wait_log("releasing the worker", timeout=10)
+
+
+def test_warm_and_stop(serve: Any) -> None:
+    port = free_port()
+    s = serve(("warmme", manifest(port, "--start-delay", "0.5")))
+    r = s.ctl("warm", "warmme")
+    assert r.returncode == 0, r.stderr
+    st = json.loads(s.ctl("status", "--json", "warmme").stdout)
+    (p,) = st["providers"]
+    assert p["state"] == "ready"
+    pid = pid_of(port)
+    r = s.ctl("stop", "warmme")
+    assert r.returncode == 0, r.stderr
+    assert wait_gone(pid)
+    st = json.loads(s.ctl("status", "--json", "warmme").stdout)
+    assert st["providers"][0]["state"] == "idle"
+
+
+def test_sigterm_leaves_no_process(serve: Any) -> None:
+    port = free_port()
+    s = serve(("term", manifest(port, "--ignore-sigterm")))
+    pid = pid_of(port)
+    s.proc.send_signal(signal.SIGTERM)
+    s.proc.wait(60)
+    assert s.proc.returncode == 0
+    assert wait_gone(pid)
+
+
+def test_sigkill_of_serve_kills_workers(serve: Any) -> None:
+    port = free_port()
+    s = serve(("killed", manifest(port)))
+    pid = pid_of(port)
+    s.proc.send_signal(signal.SIGKILL)
+    s.proc.wait(10)
+    assert wait_gone(pid)
+
+
+def test_load_goes_on_when_the_first_client_leaves(serve: Any) -> None:
+    port = free_port()
+    s = serve(("patient_load", manifest(port, "--start-delay", "1.5")))
+    c = socket.create_connection(("127.0.0.1", port))
+    c.sendall(b"GET /pid HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(0.3)
+    c.close()  # the client that caused the load gives up
+    s.wait_log("Worker ready after", timeout=10)
+    t0 = time.monotonic()
+    assert request(port, "/x")[0] == 200
+    assert time.monotonic() - t0 < 1.0  # found it ready
+    assert s.count("Starting worker") == 1
