@@ -131,7 +131,7 @@ def main() -> int:
     ]
     lines = [
         f"bench_worker: {args.runs} runs each, p50, {py} ({platform.python_version()}), "
-        f"{os.cpu_count()} CPUs, {platform.machine()}",
+        f"{os.cpu_count()} CPUs, {platform.machine()}, load average {os.getloadavg()[0]:.2f}",
         f"  interpreter start (python3 -c pass):          {p50_ms([run_once([py, '-c', 'pass']) for _ in range(args.runs)]):7.1f} ms",
         f"  wrapper start (python3 -m agent.worker --help): {p50_ms([run_once([py, '-m', 'agent.worker', '--help']) for _ in range(args.runs)]):5.1f} ms",
         "",
