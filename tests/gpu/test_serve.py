@@ -208,17 +208,18 @@ def test_three_providers_over_budget_idle_release_and_placement() -> None:
         assert not alive(d["pid"])
 
         # Idle deadline: e's memory is back on the card within a second of it.
-        before = card_by_uuid(c.uuid).free
+        time.sleep(0.5)  # d's memory shows as freed ~0.1 s after its stop: let it settle
         code, e = get(ports["e"], "/info")
         assert code == 200, e
-        done = time.monotonic()
+        done = time.monotonic()  # e's last request has ended: its idle timer runs from here
+        during = card_by_uuid(c.uuid).free
         deadline = done + 3
-        while card_by_uuid(c.uuid).free < before - 256 * 2**20:
+        while card_by_uuid(c.uuid).free < during + 2 * GIB:
             if time.monotonic() > deadline + 10:
                 raise AssertionError("e's memory never came back")
             time.sleep(0.01)
         back = time.monotonic() - deadline
         figure("serve: memory back after the idle deadline", f"{back:.3f} s (idle_timeout_s = 3)")
-        assert back < 1.0
+        assert -0.5 < back < 1.0
     finally:
         serve.stop()
