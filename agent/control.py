@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -184,14 +183,6 @@ async def journal_tail(unit: str, lines: int = 10) -> list[str]:
 
 # ---------------------------------------------------------------------------- foreground
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the parent dies, so nothing is orphaned."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
 
 class ProcessWorker:
     """The worker wrapper as a child process: foreground mode, no cgroup limits."""
@@ -231,7 +222,13 @@ class ProcessWorker:
         address = f"\0providerd-{os.getpid()}-{self.slug}-{time.monotonic_ns()}"
         notify.bind(address)
         notify.setblocking(False)
-        child_env = {**os.environ, **self.environment, **env, "NOTIFY_SOCKET": "@" + address[1:]}
+        child_env = {
+            **os.environ,
+            **self.environment,
+            **env,
+            "NOTIFY_SOCKET": "@" + address[1:],
+            "PROVIDERD_DIE_WITH_PARENT": str(os.getpid()),
+        }
         child_env.pop("LISTEN_FDS", None)
         child_env.pop("LISTEN_PID", None)
         ready: asyncio.Future[None] = loop.create_future()
@@ -256,7 +253,6 @@ class ProcessWorker:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
         except OSError as e:
             loop.remove_reader(notify.fileno())

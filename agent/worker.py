@@ -533,8 +533,22 @@ def _quote(argv: list[str]) -> str:
     )
 
 
+def _die_with_parent() -> None:
+    """Foreground mode: the front asks (PROVIDERD_DIE_WITH_PARENT=<its pid>) that the
+    wrapper die with it, which keeps the front's spawn cheap (no pre-exec hook)."""
+    parent = os.environ.pop("PROVIDERD_DIE_WITH_PARENT", None)
+    if parent is None or not parent.isdigit():
+        return
+    setter = _pdeathsig_setter()
+    if setter is not None:
+        setter()
+    if os.getppid() != int(parent):  # the front died before prctl took effect
+        os._exit(1)
+
+
 def main(args: list[str] | None = None) -> int:
     args = sys.argv[1:] if args is None else args
+    _die_with_parent()
     if args and args[0] in ("-h", "--help"):
         sys.stdout.write(USAGE)
         return 0
