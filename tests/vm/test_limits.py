@@ -98,3 +98,9 @@ def test_providerctl_status_shows_the_workers_real_memory(vm: dict[str, dict[str
         f"no memory figure near {current} in {status['out']}"
     )
     print(mem["status_text"]["out"])
+
+
+def test_stopping_every_provider_is_prompt(vm: dict[str, dict[str, Any]]) -> None:
+    stop = vm["stop_all"]
+    assert stop["rc"] == 0
+    assert stop["seconds"] < 30, f"systemctl stop took {stop['seconds']} s:\n{stop['journal']}"

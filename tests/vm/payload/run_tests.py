@@ -180,6 +180,19 @@ def main() -> int:
         status_json=sh("providerctl status memory --json"),
         status_text=sh("providerctl status memory"),
     )
+
+    # --- stopping everything is prompt (no unit waits out its stop timeout) ----------
+    cursor = sh("journalctl -n0 --show-cursor -q")["out"].strip().removeprefix("-- cursor: ")
+    t1 = time.monotonic()
+    stop = sh("systemctl stop 'provider@*.socket' 'provider@*.service' 'provider-worker@*.service'")
+    emit(
+        "stop_all",
+        seconds=round(time.monotonic() - t1, 1),
+        rc=stop["rc"],
+        journal=sh(f"journalctl -q -o short-monotonic --after-cursor='{cursor}' | tail -n 60")[
+            "out"
+        ],
+    )
     emit("done", seconds=round(time.monotonic() - t0, 1))
     return 0
 
