@@ -21,6 +21,7 @@ from agent import paths, rpc
 from agent.control import ProcessWorker
 from agent.front import Front, admission_for
 from agent.model import Address, Provider
+from agent.router import Router, RouterError, close_foreground, foreground
 from agent.units import worker_argv
 
 log = logging.getLogger("providerd")
@@ -103,10 +104,12 @@ def make_front(provider: Provider, listeners: list[socket.socket]) -> Front:
 
 async def serve(providers: list[Provider]) -> int:
     listeners: dict[str, list[socket.socket]] = {}
+    router: Router | None = None
     try:
         for provider in providers:
             listeners[provider.slug] = [bind(a) for a in provider.addresses]
-    except ServeError as e:
+        router = foreground(providers, bind)  # when providerd.toml enables it
+    except (ServeError, RouterError) as e:
         for socks in listeners.values():
             for s in socks:
                 s.close()
@@ -132,6 +135,8 @@ async def serve(providers: list[Provider]) -> int:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("Stopping %d provider(s)", len(fronts))
+    if router is not None:
+        await close_foreground(router)
     for server in servers:
         server.close()
     await asyncio.gather(*(f.stop(f.provider.stop_timeout_s) for f in fronts))

@@ -1,0 +1,241 @@
+"""providerd's own settings: `/etc/providerd/providerd.toml` (moved by `PROVIDERD_CONFIG`).
+
+    [router]
+    enabled = false                 # providerctl serve runs the router; the generator
+                                    # links providerd-router.socket into sockets.target
+    address = "127.0.0.1:8100"      # or a list; "[::1]:8100", "/run/providerd-router.sock"
+    max_body = "16M"                # request bodies larger than this are answered 413
+    idle_timeout_s = 600            # the router's process exits after this long without requests
+
+    [gpu]
+    headroom_gb = 1.0               # VRAM kept free on a card beyond a provider's need
+
+A missing file means the defaults. Parsing is strict like the manifests': an unknown
+table or key, or a value of the wrong kind, is a `Problem` printed as
+`<file>: <key>: <message>`. `parse` is pure; `load` reads the file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent import paths
+from agent.model import Address, Problem
+from agent.units import UNIT_DIR, Link
+
+ROUTER_SOCKET = "providerd-router.socket"
+ROUTER_SERVICE = "providerd-router.service"
+ROUTER_DROPIN = "50-config.conf"
+ROUTER_SOCKET_UNIT = f"{UNIT_DIR}/{ROUTER_SOCKET}"
+DEFAULT_ROUTER_ADDRESS = Address("127.0.0.1", 8100)
+DEFAULT_MAX_BODY = 16 << 20
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    enabled: bool = False
+    addresses: tuple[Address, ...] = (DEFAULT_ROUTER_ADDRESS,)
+    max_body: int = DEFAULT_MAX_BODY  # bytes
+    idle_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    headroom_gb: float = 1.0
+
+    @property
+    def headroom_bytes(self) -> int:
+        return int(self.headroom_gb * GIB)
+
+
+@dataclass(frozen=True)
+class Config:
+    router: RouterConfig = field(default_factory=RouterConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    source: Path | None = None  # the file read; None when it does not exist
+
+
+class ConfigError(Exception):
+    """The settings file cannot be used; `problems` say why, one line each."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        super().__init__("; ".join(str(p) for p in problems))
+        self.problems = problems
+
+
+class _Invalid(Exception):
+    pass
+
+
+# -- converters: TOML value → setting, or _Invalid with what was expected ------------------
+
+
+def _quote(value: object) -> str:
+    if isinstance(value, str):
+        text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    elif isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, dict):
+        text = "a table"
+    else:
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _Invalid(f"expected true or false, got {_quote(value)}")
+    return value
+
+
+def _addresses(value: object) -> tuple[Address, ...]:
+    from agent.manifest import parse_address  # the manifest's own address syntax
+
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) for v in items) or not items:
+        raise _Invalid(
+            f'expected an address such as "127.0.0.1:8100" or a list of them, got {_quote(value)}'
+        )
+    out: list[Address] = []
+    for text in items:
+        assert isinstance(text, str)
+        try:
+            address = parse_address(text)
+        except Exception as e:  # the manifest module's own validation error
+            raise _Invalid(str(e)) from None
+        if address in out:
+            raise _Invalid(f"{_quote(text)} is listed twice")
+        out.append(address)
+    return tuple(out)
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)([KMG]?)")
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": MIB, "G": GIB}
+
+
+def _size(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str) and (m := _SIZE.fullmatch(value.strip())):
+        size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+    else:
+        raise _Invalid(
+            f'expected a size such as "16M" or "1G" (K, M, G: powers of 1024), got {_quote(value)}'
+        )
+    if not 1024 <= size <= 4 * GIB:
+        raise _Invalid(f"must be from 1K to 4G, got {_quote(value)}")
+    return size
+
+
+def _number(low: float, high: float, unit: str) -> Callable[[object], float]:
+    def convert(value: object) -> float:
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise _Invalid(f"expected a number{unit}, got {_quote(value)}")
+        if not low <= value <= high:  # also refuses nan
+            raise _Invalid(f"must be from {low:g} to {high:g}{unit}, got {value:g}")
+        return float(value)
+
+    return convert
+
+
+# (table, key) → (converter, field of the table's dataclass)
+_KEYS: dict[tuple[str, str], tuple[Callable[[object], object], str]] = {
+    ("router", "enabled"): (_bool, "enabled"),
+    ("router", "address"): (_addresses, "addresses"),
+    ("router", "max_body"): (_size, "max_body"),
+    ("router", "idle_timeout_s"): (_number(1, 7 * 86400, " (seconds)"), "idle_timeout_s"),
+    ("gpu", "headroom_gb"): (_number(0, 1024, " (GB)"), "headroom_gb"),
+}
+_TABLES = ("router", "gpu")
+
+
+def _unknown(table: str, key: str) -> str:
+    known = [k for t, k in _KEYS if t == table]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f' (did you mean "{close[0]}"?)' if close else ""
+    return f"unknown key{hint}; known keys: {', '.join(known)}"
+
+
+def parse(raw: bytes, source: Path) -> Config | list[Problem]:
+    """The settings in `raw` (the text of `source`), or every problem with them. Pure."""
+    file = str(source)
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return [Problem(file, "", f"not UTF-8 text: {e.reason} at byte {e.start}")]
+    except tomllib.TOMLDecodeError as e:
+        return [Problem(file, "", f"not valid TOML: {e}")]
+    problems: list[Problem] = []
+    values: dict[str, dict[str, object]] = {t: {} for t in _TABLES}
+    for table, body in data.items():
+        if table not in _TABLES:
+            close = difflib.get_close_matches(table, _TABLES, n=1, cutoff=0.6)
+            hint = f' (did you mean "[{close[0]}]"?)' if close else ""
+            known = ", ".join(f"[{t}]" for t in _TABLES)
+            problems.append(Problem(file, table, f"unknown table{hint}; known tables: {known}"))
+            continue
+        if not isinstance(body, dict):
+            problems.append(Problem(file, table, f"expected a table [{table}], got a value"))
+            continue
+        for key, value in body.items():
+            entry = _KEYS.get((table, key))
+            if entry is None:
+                problems.append(Problem(file, f"{table}.{key}", _unknown(table, key)))
+                continue
+            convert, name = entry
+            try:
+                values[table][name] = convert(value)
+            except _Invalid as e:
+                problems.append(Problem(file, f"{table}.{key}", str(e)))
+    if problems:
+        return problems
+    router = RouterConfig(**values["router"])  # type: ignore[arg-type]
+    gpu = GpuConfig(**values["gpu"])  # type: ignore[arg-type]
+    return Config(router=router, gpu=gpu, source=source)
+
+
+def load(path: Path | None = None) -> Config:
+    """The settings file (`paths.config_file()` by default); defaults if it does not exist.
+    Raises ConfigError."""
+    path = path or paths.config_file()
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return Config()
+    except OSError as e:
+        raise ConfigError([Problem(str(path), "", e.strerror or str(e))]) from None
+    result = parse(raw, path)
+    if isinstance(result, list):
+        raise ConfigError(result)
+    return result
+
+
+# -- what the generator writes for the router -------------------------------------------------
+
+
+def _listen_stream(address: Address) -> str:
+    return str(address).replace("%", "%%")
+
+
+def render_router(config: Config) -> dict[str, str | Link]:
+    """The generator's files for the router, by path relative to its output directory: the
+    socket's drop-in with the configured address(es), and a `sockets.target.wants/` link
+    to the socket unit when the router is enabled. Pure."""
+    source = config.source or paths.CONFIG
+    lines = [
+        f"# Generated by providerd-generator from {source}; edit that file, not this one.",
+        "[Socket]",
+        "ListenStream=",
+        *(f"ListenStream={_listen_stream(a)}" for a in config.router.addresses),
+    ]
+    files: dict[str, str | Link] = {f"{ROUTER_SOCKET}.d/{ROUTER_DROPIN}": "\n".join(lines) + "\n"}
+    if config.router.enabled:
+        files[f"sockets.target.wants/{ROUTER_SOCKET}"] = Link(ROUTER_SOCKET_UNIT)
+    return files
