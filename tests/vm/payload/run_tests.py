@@ -74,9 +74,9 @@ def manifest(port: int, args: list[str], limits: str, idle: float = 60) -> str:
 
 PROVIDERS = {
     # grows past memory_max while loading: the kernel OOM-kills it, held requests get the cause
-    "oomstart": (19001, ["--alloc-mb", "400"], 'memory_max = "96M"'),
+    "growload": (19001, ["--alloc-mb", "400"], 'memory_max = "96M"'),
     # fine at start, grows past memory_max while serving
-    "oomserve": (19002, ["--alloc-mb", "16"], 'memory_max = "128M"'),
+    "growserve": (19002, ["--alloc-mb", "16"], 'memory_max = "128M"'),
     # tries 200 threads with tasks_max = 24
     "tasks": (19003, ["--threads", "200"], "tasks_max = 24"),
     # tries to open a device the manifest does not allow
@@ -117,23 +117,23 @@ def main() -> int:
     emit("reload", **sh("providerctl reload"))
 
     # --- memory_max while loading: three requests held, the worker OOM-killed -------
-    port = PROVIDERS["oomstart"][0]
+    port = PROVIDERS["growload"][0]
     with ThreadPoolExecutor(3) as pool:
         held = list(pool.map(lambda _: get(f"http://127.0.0.1:{port}/"), range(3)))
     emit(
         "oom_start",
         responses=held,
-        worker=unit_props("provider-worker@oomstart.service", "Result", "MemoryMax", "ActiveState"),
-        socket_active=sh("systemctl is-active provider@oomstart.socket")["out"].strip(),
+        worker=unit_props("provider-worker@growload.service", "Result", "MemoryMax", "ActiveState"),
+        socket_active=sh("systemctl is-active provider@growload.socket")["out"].strip(),
         listening=listening(port),
         journal=sh(
-            "journalctl -q -o cat -u provider@oomstart.service -u provider-worker@oomstart.service"
+            "journalctl -q -o cat -u provider@growload.service -u provider-worker@growload.service"
         )["out"],
         kernel_log=sh("journalctl -q -k -o cat | grep -i -m5 'oom'")["out"],
     )
 
     # --- memory_max while serving ---------------------------------------------------
-    port = PROVIDERS["oomserve"][0]
+    port = PROVIDERS["growserve"][0]
     first = get(f"http://127.0.0.1:{port}/")
     grow = get(f"http://127.0.0.1:{port}/alloc?mb=400")
     time.sleep(1)
@@ -141,11 +141,13 @@ def main() -> int:
         "oom_serve",
         first=first,
         grow=grow,
-        worker=unit_props("provider-worker@oomserve.service", "Result", "MemoryMax", "ActiveState"),
+        worker=unit_props(
+            "provider-worker@growserve.service", "Result", "MemoryMax", "ActiveState"
+        ),
         listening=listening(port),
         after=get(f"http://127.0.0.1:{port}/"),
         journal=sh(
-            "journalctl -q -o cat -u provider@oomserve.service -u provider-worker@oomserve.service"
+            "journalctl -q -o cat -u provider@growserve.service -u provider-worker@growserve.service"
         )["out"],
     )
 
