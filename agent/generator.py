@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from agent import manifest, units
+from agent import config, manifest, units
 from agent.model import Problem, Provider
 
 PROG = units.GENERATOR
@@ -106,6 +106,27 @@ def generate(providers: list[Provider], out: Path) -> list[str]:
     return failures
 
 
+def generate_router(out: Path) -> list[str]:
+    """The router socket's address, and its sockets.target link when enabled, from
+    providerd.toml; the lines to log. Without the file (or with a bad one) the socket keeps
+    the default address of its static unit."""
+    try:
+        settings = config.load()
+    except config.ConfigError as e:
+        return [str(p) for p in e.problems] + [
+            "Skipping the router's settings: providerd-router.socket keeps its default address"
+        ]
+    if settings.source is None:
+        return []
+    failures = []
+    for path, content in config.render_router(settings).items():
+        try:
+            write_atomic(out / path, content)
+        except OSError as e:
+            failures.append(f"Failed to write {out / path}: {e.strerror or e}")
+    return failures
+
+
 def main(argv: list[str], log: Log | None = None) -> int:
     """The generator: `argv` is what follows the program name (normal [early late])."""
     log = log or Log()
@@ -114,6 +135,8 @@ def main(argv: list[str], log: Log | None = None) -> int:
             log("Failed to run: expected the output directory as the first argument")
             return 0
         out = Path(argv[0])
+        for line in generate_router(out):
+            log(line)
         try:
             found = manifest.discover()
         except Exception as e:  # never fail the boot
