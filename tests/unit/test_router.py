@@ -1,0 +1,190 @@
+"""The router's pure parts: the table (exact before pattern, ambiguity, escaping) and the
+body (JSON `model`, chunked data)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agent import router
+from agent.http import ChunkedScanner
+from agent.model import Address, Provider
+from agent.router import Refusal, Table, dechunk, model_of, quoted, target_address
+
+
+def provider(slug: str, names: tuple[str, ...] = (), patterns: tuple[str, ...] = ()) -> Provider:
+    return Provider(
+        slug=slug,
+        source=Path(f"/etc/providerd/providers/{slug}.toml"),
+        addresses=(Address("127.0.0.1", 9000),),
+        model_names=names,
+        model_patterns=patterns,
+    )
+
+
+def refusal(table: Table, model: str) -> Refusal:
+    with pytest.raises(Refusal) as e:
+        table.lookup(model)
+    return e.value
+
+
+def test_exact_names_come_before_patterns() -> None:
+    a = provider("a", names=("llama-3",))
+    b = provider("b", patterns=("llama-.*",))
+    table = Table([b, a])
+    assert table.lookup("llama-3") is a
+    assert table.lookup("llama-4") is b
+    assert table.lookup("llama-3") is a  # and again, from the cache
+
+
+def test_patterns_match_in_full() -> None:
+    table = Table([provider("q", patterns=("qwen2\\.5-7b(:.*)?",))])
+    assert table.lookup("qwen2.5-7b").slug == "q"
+    assert table.lookup("qwen2.5-7b:q4").slug == "q"
+    for model in ("qwen2.5-7b-instruct", "xqwen2.5-7b", "qwen2x5-7b"):
+        assert refusal(table, model).status == 404
+
+
+def test_one_provider_with_two_matching_patterns_is_not_ambiguous() -> None:
+    table = Table([provider("a", patterns=("m.*", ".*1"))])
+    assert table.lookup("m1").slug == "a"
+
+
+def test_patterns_of_two_providers_matching_one_name_are_refused_naming_both() -> None:
+    table = Table([provider("b", patterns=(".*-7b",)), provider("a", patterns=("llama-.*",))])
+    r = refusal(table, "llama-7b")
+    assert r.status == 409
+    assert r.body() == {
+        "error": {
+            "message": 'The model "llama-7b" is matched by patterns of several providers '
+            '("a", "b"); narrow their [models] patterns so that one provider serves it',
+            "type": "invalid_request_error",
+            "code": "model_ambiguous",
+        }
+    }
+    assert table.lookup("llama-8b").slug == "a"
+    assert table.lookup("mistral-7b").slug == "b"
+
+
+def test_an_unknown_model_is_404_in_openai_style() -> None:
+    r = refusal(Table([provider("a", names=("x",))]), "gpt-9")
+    assert r.status == 404
+    assert r.body() == {
+        "error": {
+            "message": 'The model "gpt-9" does not exist: no provider serves it '
+            "(GET /v1/models lists the model names)",
+            "type": "invalid_request_error",
+            "code": "model_not_found",
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    "model",
+    ['a"b', "line\nbreak", "nul\x00", "esc\x1b[31m", "ünïcode", "../../etc/passwd", "$(rm -rf /)"],
+)
+def test_a_requested_name_is_shown_escaped(model: str) -> None:
+    r = refusal(Table([]), model)
+    shown = quoted(model)
+    assert shown == json.dumps(model)
+    assert shown in r.message
+    assert shown.isascii() and shown.isprintable()
+
+
+def test_a_long_name_is_shown_cut_short_and_not_remembered() -> None:
+    table = Table([provider("a", patterns=("x+",))])
+    model = "x" * 100_000
+    assert table.lookup(model).slug == "a"
+    assert model not in table._cache
+    shown = quoted(model)
+    assert len(shown) < 200 and shown.endswith("... (100000 characters)")
+
+
+def test_the_pattern_cache_is_bounded() -> None:
+    table = Table([provider("a", patterns=("n[0-9]+",))])
+    for i in range(router.CACHE_MAX + 10):
+        table.lookup(f"n{i}")
+    assert len(table._cache) <= router.CACHE_MAX
+
+
+def test_listing_has_every_exact_name_and_no_pattern() -> None:
+    table = Table(
+        [provider("b", names=("b1",), patterns=("b-.*",)), provider("a", names=("a1", "a2"))],
+        created={"a": 100, "b": 200},
+    )
+    assert table.listing() == {
+        "object": "list",
+        "data": [
+            {"id": "a1", "object": "model", "created": 100, "owned_by": "a"},
+            {"id": "a2", "object": "model", "created": 100, "owned_by": "a"},
+            {"id": "b1", "object": "model", "created": 200, "owned_by": "b"},
+        ],
+    }
+
+
+def test_a_wildcard_address_is_reached_on_loopback() -> None:
+    assert target_address(Address("0.0.0.0", 1)) == Address("127.0.0.1", 1)
+    assert target_address(Address("::", 1)) == Address("::1", 1)
+    assert target_address(Address("10.0.0.1", 1)) == Address("10.0.0.1", 1)
+    unix = Address(None, None, "/run/x.sock")
+    assert target_address(unix) == unix
+
+
+# -- the body
+
+
+def test_model_of_takes_the_top_level_model() -> None:
+    assert model_of(b'{"model": "m", "messages": []}') == "m"
+    assert model_of(b'  {"messages": [{"model": "inner"}], "model": "outer"}\n') == "outer"
+    assert model_of('{"model": "ünï"}'.encode()) == "ünï"
+    assert model_of('{"model": "x"}'.encode("utf-16")) == "x"  # RFC 8259 detection
+
+
+def test_a_model_deep_in_a_large_body() -> None:
+    messages = [{"role": "user", "content": "word " * 1000} for _ in range(1000)]
+    body = json.dumps({"messages": messages, "stream": True, "model": "deep"}).encode()
+    assert len(body) > 5_000_000
+    assert model_of(body) == "deep"
+
+
+def test_duplicate_model_keys_take_the_last_like_pythons_json() -> None:
+    assert model_of(b'{"model": "first", "model": "last"}') == "last"
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        (b"", "missing_model"),
+        (b"  \r\n", "missing_model"),
+        (b"model=x", "invalid_json"),
+        (b'{"model": "x"', "invalid_json"),
+        (b"\xff\xfe\x00", "invalid_json"),
+        (b"[" * 100_000 + b"]" * 100_000, "invalid_json"),
+        (b'["model", "x"]', "invalid_json"),
+        (b'"model"', "invalid_json"),
+        (b'{"messages": []}', "missing_model"),
+        (b'{"model": null}', "missing_model"),
+        (b'{"input": {"model": "nested"}}', "missing_model"),
+        (b'{"model": 3}', "invalid_model"),
+        (b'{"model": ""}', "invalid_model"),
+        (b'{"model": ["a"]}', "invalid_model"),
+    ],
+)
+def test_bodies_without_a_usable_model_are_400(body: bytes, code: str) -> None:
+    with pytest.raises(Refusal) as e:
+        model_of(body)
+    assert e.value.status == 400
+    assert e.value.code == code
+    assert e.value.body()["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+
+
+def test_dechunk_drops_framing_extensions_and_trailers() -> None:
+    raw = b'5;ext=1\r\n{"mod\r\n09\r\nel": "m"}\r\n3\n  x\n0\r\nTrailer: t\r\n\r\n'
+    end = ChunkedScanner().scan(raw, 0, len(raw))
+    assert end == len(raw)
+    assert dechunk(raw, 0, end) == b'{"model": "m"}  x'
+    framed = b"HEAD" + raw + b"NEXT"
+    assert dechunk(framed, 4, 4 + len(raw)) == b'{"model": "m"}  x'
+    assert dechunk(b"0\r\n\r\n", 0, 5) == b""
