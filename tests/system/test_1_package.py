@@ -37,7 +37,7 @@ def test_files_are_where_an_operator_looks(ct: Container) -> None:
     )
     assert ct.sh("test -d /etc/providerd/providers").rc == 0
     assert (
-        "BSD" in ct.sh("grep -A2 'agent/_vendor/pynvml.py' /usr/share/doc/providerd/copyright").out
+        "BSD" in ct.sh("grep -A6 'agent/_vendor/pynvml.py' /usr/share/doc/providerd/copyright").out
     )
 
 

@@ -18,6 +18,8 @@ from .nspawn import Container
 PORT = 18008
 IDLE_S = 5
 SLUG = "demo"
+# Any process of this provider's worker: the wrapper or the model it runs.
+LEFTOVERS = f"pgrep -f 'agent[.]worker --slug {SLUG} |agent[.]demo '"
 
 BURST = r"""
 import json, sys, threading, urllib.request
@@ -107,9 +109,7 @@ def test_idle_releases_front_and_worker_socket_stays(ct: Container, demo: None) 
     )
     assert ct.active(f"provider@{SLUG}.socket") == "active"
     assert ct.listening(PORT)
-    assert ct.sh("pgrep -f agent.demo", check=False).rc == 1, (
-        "a demo process outlived its worker unit"
-    )
+    assert ct.sh(LEFTOVERS, check=False).rc == 1, "a demo process outlived its worker unit"
 
 
 def test_journal_shows_the_lifecycle(ct: Container, demo: None) -> None:
@@ -135,12 +135,7 @@ def test_kill9_of_the_front_stops_the_worker_and_leaves_no_process(
     ct.sh(f"kill -9 {front_pid}")
     ct.wait_for(f"! systemctl is-active -q provider-worker@{SLUG}.service", timeout=30)
     deadline = time.monotonic() + 15
-    while (
-        ct.sh(
-            f"kill -0 {worker_pid} 2>/dev/null || pgrep -f 'agent.demo|agent.worker'", check=False
-        ).rc
-        == 0
-    ):
+    while ct.sh(f"kill -0 {worker_pid} 2>/dev/null || {LEFTOVERS}", check=False).rc == 0:
         assert time.monotonic() < deadline, ct.sh("ps -ef", check=False).out
         time.sleep(0.2)
     # The port still belongs to PID 1, and the next request is served again.
