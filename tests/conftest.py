@@ -15,14 +15,22 @@ TESTS = Path(__file__).resolve().parent
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("providerd")
-    group.addoption("--run-system", action="store_true", help="run the container tier (make system)")
+    group.addoption(
+        "--run-system", action="store_true", help="run the container tier (make system)"
+    )
     group.addoption("--run-vm", action="store_true", help="run the VM tier (make vm)")
-    group.addoption("--deb", default=None, help="the providerd .deb the system and vm tiers install")
+    group.addoption(
+        "--deb", default=None, help="the providerd .deb the system and vm tiers install"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        tier = Path(str(item.path)).relative_to(TESTS).parts[0] if TESTS in Path(str(item.path)).parents else ""
+        tier = (
+            Path(str(item.path)).relative_to(TESTS).parts[0]
+            if TESTS in Path(str(item.path)).parents
+            else ""
+        )
         if tier == "system":
             item.add_marker(pytest.mark.system)
             if not config.getoption("--run-system"):
