@@ -1,0 +1,582 @@
+"""The router on real loopback sockets: what a client sends reaches the right provider
+byte for byte, and what the provider answers comes back as it is produced.
+
+The providers here are small threads that record every request's raw bytes and answer
+it; the router runs on its own event loop in a thread. Nothing waits on a timer to
+decide an outcome: the streaming test hands over with events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.config import RouterConfig
+from agent.http import ChunkedScanner, find_head_end, parse_request_head
+from agent.model import Address, Provider
+from agent.router import Router, Table
+
+Answer = Callable[[socket.socket, bytes], None]
+
+
+def ok_answer(name: str) -> Answer:
+    def answer(conn: socket.socket, request: bytes) -> None:
+        body = json.dumps({"provider": name, "bytes": len(request)}).encode()
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    return answer
+
+
+class FakeProvider:
+    """A provider's listen address: records each request (head and body, raw) and answers."""
+
+    def __init__(self, name: str, answer: Answer | None = None, continue_first: bool = False):
+        self.name = name
+        self.answer = answer or ok_answer(name)
+        self.continue_first = continue_first
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buf = b""
+        with conn:
+            while True:
+                while (end := find_head_end(buf, 0, len(buf))) < 0:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head = parse_request_head(buf[:end])
+                if head.expect_continue and self.continue_first:
+                    conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                if head.body == "chunked":
+                    scanner = ChunkedScanner()
+                    at = scanner.scan(buf, end, len(buf))
+                    while at < 0:
+                        data = conn.recv(65536)
+                        if not data:
+                            return
+                        before = len(buf)
+                        buf += data
+                        at = scanner.scan(buf, before, len(buf))
+                else:
+                    at = end + head.length
+                    while len(buf) < at:
+                        data = conn.recv(65536)
+                        if not data:
+                            return
+                        buf += data
+                request, buf = buf[:at], buf[at:]
+                self.requests.append(request)
+                self.answer(conn, request)
+                if not head.keep_alive:
+                    return
+
+    def provider(self, names: tuple[str, ...] = (), patterns: tuple[str, ...] = ()) -> Provider:
+        return Provider(
+            slug=self.name,
+            source=Path(f"/etc/providerd/providers/{self.name}.toml"),
+            addresses=(Address("127.0.0.1", self.port),),
+            model_names=names,
+            model_patterns=patterns,
+        )
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread; stops listening
+        self.listener.close()
+
+
+class RunningRouter:
+    def __init__(self, providers: list[Provider], config: RouterConfig, exit_on_idle: bool):
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port = self.listener.getsockname()[1]
+        self.notified: list[str] = []
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.router: Router | None = None
+        self.thread = threading.Thread(
+            target=self._run, args=(providers, config, exit_on_idle), daemon=True
+        )
+        self.thread.start()
+        assert self.ready.wait(5)
+
+    def _run(self, providers: list[Provider], config: RouterConfig, exit_on_idle: bool) -> None:
+        async def main() -> None:
+            self.router = Router(
+                Table(providers),
+                config,
+                [self.listener],
+                exit_on_idle=exit_on_idle,
+                notify=self.notified.append,
+            )
+            self.router.start_accepting()
+            self.ready.set()
+            await self.router.done.wait()
+            await asyncio.sleep(0)
+
+        self.loop.run_until_complete(main())
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            router = self.router
+            assert router is not None
+            asyncio.run_coroutine_threadsafe(router.close(), self.loop).result(5)
+            self.thread.join(5)
+        self.loop.close()
+
+
+@pytest.fixture
+def alpha() -> Iterator[FakeProvider]:
+    p = FakeProvider("alpha", continue_first=True)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def beta() -> Iterator[FakeProvider]:
+    p = FakeProvider("beta")
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def start() -> Iterator[Callable[..., RunningRouter]]:
+    running: list[RunningRouter] = []
+
+    def make(
+        *providers: Provider, max_body: int = 1 << 20, idle: float = 600, exit_on_idle: bool = False
+    ) -> RunningRouter:
+        config = RouterConfig(enabled=True, max_body=max_body, idle_timeout_s=idle)
+        r = RunningRouter(list(providers), config, exit_on_idle)
+        running.append(r)
+        return r
+
+    yield make
+    for r in running:
+        r.stop()
+
+
+@pytest.fixture
+def two(
+    start: Callable[..., RunningRouter], alpha: FakeProvider, beta: FakeProvider
+) -> RunningRouter:
+    return start(alpha.provider(names=("a-1", "a-2")), beta.provider(patterns=("b-.*",)))
+
+
+# -- a raw HTTP client ---------------------------------------------------------------------
+
+
+_clients: list[socket.socket] = []
+
+
+@pytest.fixture(autouse=True)
+def close_clients() -> Iterator[None]:
+    yield
+    while _clients:
+        _clients.pop().close()
+
+
+class Client:
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        _clients.append(self.sock)
+        self.buf = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _fill(self) -> bool:
+        data = self.sock.recv(65536)
+        self.buf += data
+        return bool(data)
+
+    def response(self) -> tuple[int, dict[str, str], bytes]:
+        """One response (Content-Length or chunked body), interim ones included as their own."""
+        while (end := find_head_end(self.buf, 0, len(self.buf))) < 0:
+            assert self._fill(), f"connection closed; got {self.buf!r}"
+        head, self.buf = self.buf[:end], self.buf[end:]
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:] if x)}
+        if status < 200:
+            return status, headers, b""
+        if headers.get("transfer-encoding") == "chunked":
+            scanner = ChunkedScanner()
+            at = scanner.scan(self.buf, 0, len(self.buf))
+            while at < 0:
+                before = len(self.buf)
+                assert self._fill()
+                at = scanner.scan(self.buf, before, len(self.buf))
+            from agent.router import dechunk
+
+            body, self.buf = dechunk(self.buf, 0, at), self.buf[at:]
+            return status, headers, body
+        n = int(headers.get("content-length", "0"))
+        while len(self.buf) < n:
+            assert self._fill()
+        body, self.buf = self.buf[:n], self.buf[n:]
+        return status, headers, body
+
+    def closed(self) -> bool:
+        """The router closed the connection (after whatever it sent)."""
+        try:
+            while self._fill():
+                pass
+        except ConnectionResetError:
+            pass
+        return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def post(model: str, path: str = "/v1/chat/completions", extra: bytes = b"") -> bytes:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    return (
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s"
+        b"Content-Length: %d\r\n\r\n%s" % (path.encode(), extra, len(body), body)
+    )
+
+
+def error(body: bytes) -> dict[str, str]:
+    doc = json.loads(body)
+    assert set(doc) == {"error"} and set(doc["error"]) == {"message", "type", "code"}, doc
+    return dict(doc["error"])
+
+
+# -- routing -------------------------------------------------------------------------------
+
+
+def test_each_model_reaches_its_provider_byte_for_byte(
+    two: RunningRouter, alpha: FakeProvider, beta: FakeProvider
+) -> None:
+    c = Client(two.port)
+    sent = [post("a-1"), post("b-7", "/v1/messages"), post("a-2", "/v1/embeddings")]
+    for request in sent:
+        c.send(request)
+        assert c.response()[0] == 200
+    assert alpha.requests == [sent[0], sent[2]]
+    assert beta.requests == [sent[1]]
+    c.close()
+
+
+def test_a_chunked_body_is_routed_and_forwarded_as_sent(
+    two: RunningRouter, alpha: FakeProvider
+) -> None:
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    body = b'4;x=y\r\n{"mo\r\n8\r\ndel": "a\r\n4\r\n-1"}\r\n0\r\nX-Trailer: 1\r\n\r\n'
+    c = Client(two.port)
+    c.send(head + body[:10])
+    time.sleep(0.05)  # the router waits for the rest; nothing is decided by this pause
+    c.send(body[10:])
+    assert c.response()[0] == 200
+    assert alpha.requests == [head + body]
+
+
+def test_expect_100_continue_is_answered_once_before_the_body(
+    two: RunningRouter, alpha: FakeProvider
+) -> None:
+    request = post("a-1", extra=b"Expect: 100-continue\r\n")
+    end = request.index(b"\r\n\r\n") + 4
+    c = Client(two.port)
+    c.send(request[:end])
+    status, _, _ = c.response()
+    assert status == 100  # from the router: it needs the body to route
+    c.send(request[end:])
+    status, _, body = c.response()
+    assert status == 200, "the provider's own 100 Continue must not reach the client again"
+    assert json.loads(body)["provider"] == "alpha"
+    assert alpha.requests == [request]
+
+
+def test_expect_100_continue_with_a_body_over_the_limit_is_413_without_100(
+    start: Callable[..., RunningRouter], alpha: FakeProvider
+) -> None:
+    r = start(alpha.provider(names=("a-1",)), max_body=4096)
+    c = Client(r.port)
+    c.send(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+        b"Content-Length: 4097\r\n\r\n"
+    )
+    status, headers, body = c.response()
+    assert status == 413
+    assert headers["connection"] == "close"
+    assert error(body)["code"] == "request_too_large"
+    assert c.closed()
+    assert alpha.connections == 0
+
+
+def test_a_chunked_body_over_the_limit_is_413(
+    start: Callable[..., RunningRouter], alpha: FakeProvider
+) -> None:
+    r = start(alpha.provider(names=("a-1",)), max_body=4096)
+    c = Client(r.port)
+    c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    piece = b"400\r\n" + b" " * 1024 + b"\r\n"
+    c.send(piece * 8)  # 8 KiB of data, never a last chunk
+    status, _, body = c.response()
+    assert status == 413
+    assert error(body)["code"] == "request_too_large"
+    assert c.closed()
+    assert alpha.connections == 0
+
+
+def test_pipelined_requests_are_answered_in_order(
+    two: RunningRouter, alpha: FakeProvider, beta: FakeProvider
+) -> None:
+    c = Client(two.port)
+    requests = [post("b-1"), post("a-1"), post("nobody"), post("b-2")]
+    c.send(b"".join(requests))
+    answers = [c.response() for _ in requests]
+    assert [a[0] for a in answers] == [200, 200, 404, 200]
+    assert [json.loads(a[2]).get("provider") for a in answers] == ["beta", "alpha", None, "beta"]
+    assert beta.requests == [requests[0], requests[3]]
+    assert alpha.requests == [requests[1]]
+
+
+def test_a_model_deep_in_a_large_body(two: RunningRouter, beta: FakeProvider) -> None:
+    messages = [{"role": "user", "content": "x" * 1000} for _ in range(800)]
+    body = json.dumps({"messages": messages, "model": "b-deep"}).encode()
+    request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(body),
+        body,
+    )
+    c = Client(two.port)
+    for i in range(0, len(request), 100_000):
+        c.send(request[i : i + 100_000])
+    status, _, answer = c.response()
+    assert status == 200
+    assert json.loads(answer)["bytes"] == len(request)
+    assert beta.requests == [request]
+    c.send(post("b-small"))  # the connection goes on after a grown buffer
+    assert c.response()[0] == 200
+    assert beta.requests[1] == post("b-small")
+
+
+def test_keep_alive_reuses_one_connection_per_provider(
+    two: RunningRouter, alpha: FakeProvider
+) -> None:
+    c = Client(two.port)
+    for _ in range(5):
+        c.send(post("a-1"))
+        assert c.response()[0] == 200
+    assert len(alpha.requests) == 5
+    assert alpha.connections == 1
+
+
+# -- refusals ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        (b"", 400, "missing_model"),
+        (b"not json", 400, "invalid_json"),
+        (b'{"messages": []}', 400, "missing_model"),
+        (b'{"model": "gpt-4o"}', 404, "model_not_found"),
+    ],
+)
+def test_refusals_are_openai_errors_and_the_connection_goes_on(
+    two: RunningRouter,
+    alpha: FakeProvider,
+    beta: FakeProvider,
+    body: bytes,
+    status: int,
+    code: str,
+) -> None:
+    c = Client(two.port)
+    c.send(
+        b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    got, headers, answer = c.response()
+    assert got == status
+    assert headers["content-type"] == "application/json"
+    assert error(answer)["code"] == code
+    c.send(post("a-1"))
+    assert c.response()[0] == 200
+    assert beta.connections == 0
+
+
+def test_refusals_are_logged_at_info_with_the_name_escaped(
+    two: RunningRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="providerd.router")
+    c = Client(two.port)
+    c.send(post('evil"\n\x1b[31m'))
+    assert c.response()[0] == 404
+    c.send(post("a-1"))
+    assert c.response()[0] == 200
+    refused = [r for r in caplog.records if r.getMessage().startswith("Refused")]
+    routed = [r for r in caplog.records if r.getMessage().startswith("Routing")]
+    assert len(refused) == 1 and refused[0].levelno == logging.INFO
+    assert '"evil\\"\\n\\u001b[31m"' in refused[0].getMessage()
+    assert "\n" not in refused[0].getMessage() and "\x1b" not in refused[0].getMessage()
+    assert len(routed) == 1 and routed[0].levelno == logging.DEBUG
+    assert routed[0].getMessage() == 'Routing POST "/v1/chat/completions" for model "a-1" to alpha'
+
+
+def test_upgrades_are_refused(two: RunningRouter) -> None:
+    c = Client(two.port)
+    c.send(b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+    status, _, body = c.response()
+    assert status == 501
+    assert "protocol upgrades" in error(body)["message"]
+    assert c.closed()
+
+
+def test_a_malformed_head_is_400(two: RunningRouter) -> None:
+    c = Client(two.port)
+    c.send(b"POST /x HTTP/1.1\r\nContent-Length: 1, 2\r\n\r\n")
+    assert c.response()[0] == 400
+    assert c.closed()
+
+
+def test_a_provider_that_does_not_listen_is_503(
+    start: Callable[..., RunningRouter], alpha: FakeProvider
+) -> None:
+    gone = FakeProvider("gone")
+    gone.close()
+    r = start(gone.provider(names=("g",)), alpha.provider(names=("a-1",)))
+    c = Client(r.port)
+    c.send(post("g"))
+    status, _, body = c.response()
+    assert status == 503
+    e = error(body)
+    assert e["type"] == "server_error" and e["code"] == "provider_unavailable"
+    assert 'Failed to reach provider "gone" at 127.0.0.1:' in e["message"]
+    c.send(post("a-1"))
+    assert c.response()[0] == 200
+
+
+def test_a_provider_that_closes_without_answering_is_502(
+    start: Callable[..., RunningRouter],
+) -> None:
+    def hang_up(conn: socket.socket, request: bytes) -> None:
+        conn.shutdown(socket.SHUT_RDWR)
+
+    rude = FakeProvider("rude", answer=hang_up)
+    r = start(rude.provider(names=("r",)))
+    c = Client(r.port)
+    c.send(post("r"))
+    status, _, body = c.response()
+    assert status == 502
+    assert "closed the connection before answering" in error(body)["message"]
+    rude.close()
+
+
+# -- the router's own answers ----------------------------------------------------------------
+
+
+def test_models_are_listed_without_touching_a_provider(
+    two: RunningRouter, alpha: FakeProvider, beta: FakeProvider
+) -> None:
+    c = Client(two.port)
+    c.send(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, _, body = c.response()
+    assert status == 200
+    doc = json.loads(body)
+    assert doc["object"] == "list"
+    assert [(m["id"], m["owned_by"], m["object"]) for m in doc["data"]] == [
+        ("a-1", "alpha", "model"),
+        ("a-2", "alpha", "model"),
+    ]
+    c.send(b"GET /v1/models/b-anything HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, _, body = c.response()
+    assert (status, json.loads(body)["owned_by"]) == (200, "beta")
+    c.send(b"GET /v1/models/nope%0A HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, _, body = c.response()
+    assert status == 404 and '"nope\\n"' in error(body)["message"]
+    c.send(b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\n\r\nGET /v1/models HTTP/1.1\r\n\r\n")
+    while (end := find_head_end(c.buf, 0, len(c.buf))) < 0:
+        assert c._fill()
+    assert c.buf.startswith(b"HTTP/1.1 200 OK\r\n")
+    c.buf = c.buf[end:]  # a HEAD answer has no body: the next bytes are the next response
+    status, _, body = c.response()
+    assert status == 200 and json.loads(body)["object"] == "list"
+    assert alpha.connections == 0 and beta.connections == 0
+
+
+# -- streaming -----------------------------------------------------------------------------
+
+
+def test_a_streamed_response_passes_through_as_it_is_produced(
+    start: Callable[..., RunningRouter],
+) -> None:
+    first_seen = threading.Event()
+
+    def stream(conn: socket.socket, request: bytes) -> None:
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        event = b'data: {"token": "one"}\n\n'
+        conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+        assert first_seen.wait(10), "the first event never reached the client"
+        event = b"data: [DONE]\n\n"
+        conn.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
+
+    sse = FakeProvider("sse", answer=stream)
+    r = start(sse.provider(names=("s",)))
+    c = Client(r.port)
+    c.send(post("s"))
+    while b'data: {"token": "one"}' not in c.buf:
+        assert c._fill()
+    first_seen.set()
+    status, headers, body = c.response()
+    assert status == 200 and headers["content-type"] == "text/event-stream"
+    assert body == b'data: {"token": "one"}\n\ndata: [DONE]\n\n'
+    sse.close()
+
+
+# -- idling out ------------------------------------------------------------------------------
+
+
+def test_it_exits_when_idle_but_not_while_a_request_is_in_flight(
+    start: Callable[..., RunningRouter],
+) -> None:
+    release = threading.Event()
+
+    def slow(conn: socket.socket, request: bytes) -> None:
+        assert release.wait(10)
+        ok_answer("slow")(conn, request)
+
+    p = FakeProvider("slow", answer=slow)
+    r = start(p.provider(names=("s",)), idle=0.2, exit_on_idle=True)
+    c = Client(r.port)
+    c.send(post("s"))
+    time.sleep(0.6)  # three idle timeouts while the request is in flight
+    assert r.thread.is_alive()
+    release.set()
+    assert c.response()[0] == 200
+    r.thread.join(5)
+    assert not r.thread.is_alive(), "the router did not exit once idle"
+    assert any(n.startswith("STOPPING=1") for n in r.notified)
+    with pytest.raises(OSError):
+        r.listener.getsockname()  # its copy of the listener is closed
+    p.close()
