@@ -152,7 +152,7 @@ def test_the_socket_activated_router_routes_then_exits_when_idle(
         env=env,
         cwd=ROOT,
         close_fds=False,  # fd 3 from dup2 is inheritable; the rest is close-on-exec
-        preexec_fn=lambda: os.dup2(fd, 3),
+        preexec_fn=lambda: os.set_inheritable(3, True) if fd == 3 else os.dup2(fd, 3),
         stderr=subprocess.PIPE,
         text=True,
     )
