@@ -26,6 +26,14 @@ PROBE = f"{CI_DIR}/probe_worker.py"
 FIGURES: list[str] = []
 
 
+# These remove the package from the shared container: they always run last.
+LAST = "test_9_package_lifecycle.py"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: Path(str(item.path)).name == LAST)  # stable: order kept otherwise
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if FIGURES:
         terminalreporter.section("providerd figures")
