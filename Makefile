@@ -20,17 +20,17 @@ WORK := .work
 TIER := .ci/tier
 PYTEST_FLAGS ?=
 
-VERSION := $(shell PATH=$(SYSTEM_PATH) dpkg-parsechangelog -l packaging/debian/changelog -S Version 2>/dev/null)
+VERSION := $(shell awk 'NR == 1 { gsub(/[()]/, "", $$2); print $$2 }' packaging/debian/changelog)
 DEB := dist/providerd_$(VERSION)_all.deb
 DEB_INPUTS := $(shell git ls-files -co --exclude-standard agent units packaging docs examples pyproject.toml README.md 2>/dev/null)
 
-# Debian packages the tiers use (the .deb's own dependencies come from its control file).
-APT_PACKAGES := \
-	python3 python3-venv python3-systemd python3-dbus-next \
+# Debian packages: what the venv and `make demo` need, then what the test tiers add.
+# (The .deb's own dependencies come from its control file.)
+BASE_PACKAGES := python3 python3-venv python3-systemd python3-dbus-next curl git ca-certificates
+TEST_PACKAGES := \
 	systemd systemd-container dbus debootstrap qemu-system-x86 util-linux iproute2 procps \
 	debhelper dh-python pybuild-plugin-pyproject python3-all python3-setuptools \
-	build-essential fakeroot dpkg-dev lintian \
-	zstd e2fsprogs curl git ca-certificates
+	build-essential fakeroot dpkg-dev lintian zstd e2fsprogs
 PIP_PACKAGES := pytest ruff mypy
 
 .PHONY: help test deps venv lint unit integration system vm deb lintian bench demo clean
@@ -44,21 +44,29 @@ test: lint unit integration system vm
 
 deps: $(WORK)/apt.stamp
 
-$(WORK)/apt.stamp: Makefile
+# apt_install STAMP PACKAGES: install what is missing (as root), then touch STAMP.
+define apt_install
 	@mkdir -p $(WORK)
-	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
+	@missing=$$(for p in $(2); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
 	if [[ -n $$missing ]]; then \
-		if [[ $$(id -u) != 0 ]]; then echo "make: missing Debian packages: $$missing (run as root, or apt-get install them)" >&2; exit 1; fi; \
-		echo "apt-get install $$missing"; \
+		if [[ $$(id -u) != 0 ]]; then echo "make: missing Debian packages:" $$missing "(run as root, or apt-get install them)" >&2; exit 1; fi; \
+		echo "apt-get install" $$missing; \
 		export DEBIAN_FRONTEND=noninteractive; \
 		apt-get update -qq; \
 		apt-get install -y -qq --no-install-recommends $$missing >$(WORK)/apt.log 2>&1 || { tail -n 30 $(WORK)/apt.log >&2; exit 1; }; \
 	fi
-	@touch $@
+	@touch $(1)
+endef
+
+$(WORK)/apt-base.stamp: Makefile
+	$(call apt_install,$@,$(BASE_PACKAGES))
+
+$(WORK)/apt.stamp: $(WORK)/apt-base.stamp
+	$(call apt_install,$@,$(TEST_PACKAGES))
 
 venv: $(VENV)/.stamp
 
-$(VENV)/.stamp: $(WORK)/apt.stamp pyproject.toml
+$(VENV)/.stamp: $(WORK)/apt-base.stamp pyproject.toml
 	@test -x $(PY) || PATH=$(SYSTEM_PATH) /usr/bin/python3 -m venv --system-site-packages $(VENV)
 	@$(PY) -m pip install -q --disable-pip-version-check $(PIP_PACKAGES)
 	@$(PY) -m pip install -q --disable-pip-version-check -e .
@@ -68,15 +76,15 @@ $(VENV)/.stamp: $(WORK)/apt.stamp pyproject.toml
 
 LINT_PATHS = $(wildcard agent tests bench examples)
 
-lint: venv
+lint: venv deps
 	@$(TIER) lint bash -c '$(VENV)/bin/ruff check --extend-exclude agent/_vendor $(LINT_PATHS) && \
 		$(VENV)/bin/ruff format --check --extend-exclude agent/_vendor $(LINT_PATHS) && \
 		$(VENV)/bin/mypy --strict agent'
 
-unit: venv
+unit: venv deps
 	@$(TIER) unit $(PY) -m pytest tests/unit $(PYTEST_FLAGS)
 
-integration: venv
+integration: venv deps
 	@$(TIER) integration $(PY) -m pytest tests/integration $(PYTEST_FLAGS)
 
 system: venv deb
@@ -97,7 +105,7 @@ lintian: $(DEB)
 
 # --- the rest -----------------------------------------------------------------
 
-bench: venv
+bench: venv deps
 	@$(TIER) bench bash -c 'shopt -s nullglob; set -- bench/bench_*.py; \
 		(( $$# )) || { echo "make bench: no bench/bench_*.py" >&2; exit 1; }; \
 		for b; do echo "== $$b"; $(PY) "$$b"; done'
