@@ -586,9 +586,16 @@ def admission_for(provider: Provider, worker: WorkerControl) -> Admission:
     """GPU admission for GPU providers; CPU providers always fit."""
     if not provider.uses_gpu:
         return Admission()
+    from agent import config
     from agent.gpu_admission import GpuAdmission
 
-    return GpuAdmission(provider, worker)
+    try:
+        headroom = config.load().gpu.headroom_bytes
+    except config.ConfigError as e:
+        for problem in e.problems:
+            logging.getLogger("providerd").warning("%s; using the default GPU headroom", problem)
+        return GpuAdmission(provider, worker)
+    return GpuAdmission(provider, worker, headroom_bytes=headroom)
 
 
 def main(argv: list[str]) -> int:

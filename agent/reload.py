@@ -51,6 +51,7 @@ class SystemdOps(Protocol):
     def start(self, unit: str) -> None: ...
     def restart(self, unit: str) -> None: ...
     def stop(self, unit: str) -> None: ...
+    def reload(self, unit: str) -> None: ...
     def is_active(self, unit: str) -> bool: ...
 
 
@@ -76,6 +77,9 @@ class Systemctl:
     def stop(self, unit: str) -> None:
         self._run("stop", unit)
 
+    def reload(self, unit: str) -> None:
+        self._run("reload", unit)
+
     def is_active(self, unit: str) -> bool:
         r = subprocess.run(["systemctl", "is-active", "--quiet", unit], check=False)
         return r.returncode == 0
@@ -99,7 +103,7 @@ def read_index(directory: Path) -> dict[str, dict[str, Any]]:
 
 @dataclass(frozen=True)
 class Action:
-    verb: str  # "stop", "start", "restart", or "note" (nothing to run)
+    verb: str  # "stop", "start", "restart", "reload" (these two: only if active), or "note"
     units: tuple[str, ...]
     why: str
 
@@ -177,10 +181,13 @@ def _run(action: Action, systemd: SystemdOps, out: TextIO) -> bool:
     done: list[str] = []
     for unit in action.units:
         try:
-            if action.verb == "restart":
+            if action.verb in ("restart", "reload"):
                 if not systemd.is_active(unit):
                     continue
-                systemd.restart(unit)
+                if action.verb == "restart":
+                    systemd.restart(unit)
+                else:
+                    systemd.reload(unit)
             elif action.verb == "start":
                 systemd.start(unit)
             else:
@@ -189,15 +196,50 @@ def _run(action: Action, systemd: SystemdOps, out: TextIO) -> bool:
         except SystemdError as e:
             out.write(f"Failed to {action.verb} {unit}: {e}\n")
             ok = False
-    past = {"stop": "Stopped", "start": "Started", "restart": "Restarted"}[action.verb]
+    past = {"stop": "Stopped", "start": "Started", "restart": "Restarted", "reload": "Reloaded"}[
+        action.verb
+    ]
     if done:
         out.write(f"{past} {', '.join(done)} ({action.why}).\n")
     return ok
 
 
+ROUTER_SOCKET = "providerd-router.socket"
+ROUTER_SERVICE = "providerd-router.service"
+
+
+def _router_dropin() -> str | None:
+    path = generator_dir() / f"{ROUTER_SOCKET}.d" / "50-config.conf"
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def router_actions(
+    before: dict[str, dict[str, Any]],
+    after: dict[str, Provider],
+    dropin_before: str | None,
+    dropin_after: str | None,
+) -> list[Action]:
+    """What the router needs after a reload: its socket restarted when its address moved
+    (a reload leaves a moved socket closed), and a re-read of the manifests when they
+    changed. Pure."""
+    out = []
+    if dropin_before != dropin_after:
+        out.append(Action("restart", (ROUTER_SOCKET,), "router: address changed"))
+    changed = set(before) != set(after) or any(
+        before[slug].get("digest") != units.digest(p) for slug, p in after.items()
+    )
+    if changed:
+        out.append(Action("reload", (ROUTER_SERVICE,), "router: manifests changed"))
+    return out
+
+
 def reload(systemd: SystemdOps, out: TextIO) -> int:
     """Check manifests, reload systemd, and start/restart/stop what changed."""
     before = read_index(generator_dir())
+    dropin_before = _router_dropin()
     found = manifest.discover()
     for line in generator.skipped_lines(found.problems):
         out.write(line + "\n")
@@ -212,7 +254,7 @@ def reload(systemd: SystemdOps, out: TextIO) -> int:
         out.write(f"Failed to reload systemd: {e}\n")
         return 1
     out.write("Reloaded systemd.\n")
-    for action in post:
+    for action in post + router_actions(before, found.providers, dropin_before, _router_dropin()):
         ok = _run(action, systemd, out) and ok
     return 0 if ok else 1
 

@@ -91,6 +91,9 @@ class FakeSystemctl:
         self.listening.pop(unit, None)
         self._start(unit)
 
+    def reload(self, unit: str) -> None:
+        self._check(f"reload {unit}")
+
     def is_active(self, unit: str) -> bool:
         return unit in self.active
 
@@ -341,3 +344,25 @@ def test_verify_reports_what_systemd_analyze_finds(
     out = io.StringIO()
     assert reload.verify([p], out) is False
     assert out.getvalue().startswith("Failed to verify the generated units")
+
+
+def test_the_router_rereads_manifests_only_when_they_changed(
+    env: tuple[Path, FakeSystemctl],
+) -> None:
+    mdir, systemd = env
+    (mdir / "one.toml").write_text(manifest_text(9101))
+    systemd.boot()
+    systemd.active.add(reload.ROUTER_SERVICE)
+    assert run(systemd)[0] == 0
+    assert f"reload {reload.ROUTER_SERVICE}" not in systemd.calls  # nothing changed
+    (mdir / "two.toml").write_text(manifest_text(9102))
+    code, _ = run(systemd)
+    assert code == 0
+    assert f"reload {reload.ROUTER_SERVICE}" in systemd.calls
+
+
+def test_router_actions_restart_a_moved_router_socket() -> None:
+    actions = reload.router_actions(
+        {}, {}, "[Socket]\nListenStream=a\n", "[Socket]\nListenStream=b\n"
+    )
+    assert [(a.verb, a.units) for a in actions] == [("restart", (reload.ROUTER_SOCKET,))]
