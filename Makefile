@@ -77,9 +77,11 @@ $(VENV)/.stamp: $(WORK)/apt-base.stamp pyproject.toml
 LINT_PATHS = $(wildcard agent tests bench examples)
 
 lint: venv deps
-	@$(TIER) lint bash -c '$(VENV)/bin/ruff check --extend-exclude agent/_vendor $(LINT_PATHS) && \
-		$(VENV)/bin/ruff format --check --extend-exclude agent/_vendor $(LINT_PATHS) && \
-		$(VENV)/bin/mypy --strict agent'
+	@$(TIER) lint bash -c 'rc=0; \
+		$(VENV)/bin/ruff check --extend-exclude agent/_vendor $(LINT_PATHS) || rc=1; \
+		$(VENV)/bin/ruff format --check --extend-exclude agent/_vendor $(LINT_PATHS) || rc=1; \
+		$(VENV)/bin/mypy --strict agent || rc=1; \
+		exit $$rc'
 
 unit: venv deps
 	@$(TIER) unit $(PY) -m pytest tests/unit $(PYTEST_FLAGS)
