@@ -11,8 +11,10 @@ connection is an opaque byte relay that keeps its lease until it closes.
 
 Buffers are bounded: each direction reads into one pooled buffer and reads again
 only once the other side has taken everything, so a slow reader holds at most
-`BUFFER_SIZE` per direction here plus the kernel's socket buffers. A connection
-that waits for its next request holds no buffer at all.
+`BULK_SIZE` per direction here plus the kernel's socket buffers. Heads and small
+messages use `BUFFER_SIZE` buffers; a body that fills one switches to a `BULK_SIZE`
+buffer (fewer, larger system calls). A connection that waits for its next request
+holds no buffer at all.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Coroutine, Generator, Mapping
 from typing import Any, Protocol
 
 from agent.http import (
@@ -41,9 +43,11 @@ from agent.model import Address
 
 log = logging.getLogger(__name__)
 
-BUFFER_SIZE = 64 * 1024  # per direction while bytes move; must hold a whole head (MAX_HEAD)
+BUFFER_SIZE = 64 * 1024  # heads and small bodies; must hold a whole head (MAX_HEAD)
+BULK_SIZE = 256 * 1024  # large bodies and busy tunnels, per direction
 LINGER_S = 2.0  # after answering and closing first, read and drop what the client still sends
 WORKER_GONE_RETRY_AFTER_S = 1.0
+WATCH_AFTER_S = 0.05  # a response slower than this: watch the client for a hang-up meanwhile
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 _POOL_MAX = 64
 
@@ -101,16 +105,18 @@ class Backend(Protocol):
 
 # -- buffers -------------------------------------------------------------------------------
 
-_pool: list[bytearray] = []
+_pools: dict[int, list[bytearray]] = {BUFFER_SIZE: [], BULK_SIZE: []}
 
 
-def _take() -> bytearray:
-    return _pool.pop() if _pool else bytearray(BUFFER_SIZE)
+def _take(size: int = BUFFER_SIZE) -> bytearray:
+    pool = _pools[size]
+    return pool.pop() if pool else bytearray(size)
 
 
 def _give(buf: bytearray) -> None:
-    if len(_pool) < _POOL_MAX:
-        _pool.append(buf)
+    pool = _pools[len(buf)]
+    if len(pool) < _POOL_MAX:
+        pool.append(buf)
 
 
 # -- errors inside one connection ---------------------------------------------------------
@@ -192,8 +198,9 @@ async def _connect(loop: asyncio.AbstractEventLoop, address: Address) -> socket.
 async def _copy(loop: asyncio.AbstractEventLoop, src: socket.socket, dst: socket.socket) -> None:
     """Copy src → dst until src's EOF, then shut down dst's write side. Holds a buffer only
     while bytes are on their way."""
+    size = BUFFER_SIZE
     while True:
-        buf = _take()
+        buf = _take(size)
         try:
             n = src.recv_into(buf)
         except BlockingIOError:
@@ -207,10 +214,41 @@ async def _copy(loop: asyncio.AbstractEventLoop, src: socket.socket, dst: socket
             _give(buf)
             _shutdown_write(dst)
             return
+        size = BULK_SIZE if n == len(buf) else BUFFER_SIZE
         try:
             await loop.sock_sendall(dst, memoryview(buf)[:n])
         finally:
             _give(buf)
+
+
+class _Resume:
+    """Await a coroutine that has already run up to its first suspension (`first`, what it
+    yielded). This is what `await` does from the start; it lets the proxy call
+    `backend.ready()` synchronously first and set up the client watch only if it waits."""
+
+    __slots__ = ("coro", "first")
+
+    def __init__(self, coro: Coroutine[Any, Any, tuple[Address, int]], first: Any) -> None:
+        self.coro = coro
+        self.first = first
+
+    def __await__(self) -> Generator[Any, Any, tuple[Address, int]]:
+        coro, pending = self.coro, self.first
+        while True:
+            try:
+                sent = yield pending
+            except BaseException as exc:  # cancellation and errors go to the coroutine
+                try:
+                    pending = coro.throw(exc)
+                except StopIteration as done:
+                    result: tuple[Address, int] = done.value
+                    return result
+            else:
+                try:
+                    pending = coro.send(sent)
+                except StopIteration as done:
+                    result = done.value
+                    return result
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
@@ -250,17 +288,21 @@ class _Connection:
         self._aborted: BaseException | None = None
         self._watching = False
         self._waiting = False  # in ready(): the client's EOF means it gave up
+        self._watch_timer: asyncio.TimerHandle | None = None
 
     # The watch: while the proxy does not read from the client, a readable client socket
     # means EOF, an error, or more data (pipelining, tunnel data). Only the first two matter.
 
-    def watch(self, *, waiting: bool) -> None:
+    def watch(self, waiting: bool) -> None:
         self._waiting = waiting
         if not self._watching:
             self.loop.add_reader(self.client.fileno(), self._client_readable)
             self._watching = True
 
     def unwatch(self) -> None:
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
+            self._watch_timer = None
         if self._watching:
             self.loop.remove_reader(self.client.fileno())
             self._watching = False
@@ -296,6 +338,33 @@ class _Connection:
         if exc is not None and self.task.uncancel() == 0:
             return exc
         return None
+
+    async def ready(self) -> tuple[Address, int]:
+        """backend.ready(); while it waits, a client that goes away raises _ClientGone."""
+        coro = self.backend.ready()
+        try:
+            first = coro.send(None)
+        except StopIteration as done:  # ready at once: the usual case, no watch needed
+            result: tuple[Address, int] = done.value
+            return result
+        except BaseException:
+            coro.close()
+            raise
+        self.watch(waiting=True)
+        try:
+            return await _Resume(coro, first)
+        except asyncio.CancelledError:
+            exc = self.aborted()
+            if exc is None:
+                raise
+            raise exc from None
+        finally:
+            self.unwatch()
+
+    def watch_later(self) -> None:
+        """Watch the client only once a response is slow to come (saves two epoll_ctl calls
+        on every quick request)."""
+        self._watch_timer = self.loop.call_later(WATCH_AFTER_S, self.watch, False)
 
     async def upstream(self, address: Address, generation: int) -> tuple[socket.socket, bool]:
         """A connection to the worker: the previous one if still good, else a new one."""
@@ -485,17 +554,11 @@ class _Http(_Connection):
     async def exchange(
         self, req: RequestHead, head_end: int, body_end: int, scanner: ChunkedScanner | None
     ) -> bool:
-        self.watch(waiting=True)
         try:
-            try:
-                address, generation = await self.backend.ready()
-            finally:
-                self.unwatch()
+            address, generation = await self.ready()
         except Unavailable as e:
             return await self.unavailable(req, e, body_end)
-        except asyncio.CancelledError:
-            if self.aborted() is None:
-                raise
+        except _ClientGone:
             return False
         timeout_s = self.backend.request_timeout_s
         try:
@@ -551,7 +614,7 @@ class _Http(_Connection):
             request_start = self.start
             for attempt in (1, 2):
                 up, reused = await self.upstream(address, generation)
-                self.watch(waiting=False)
+                self.watch_later()
                 try:
                     try:
                         await self.loop.sock_sendall(up, view[request_start:body_end])
@@ -604,11 +667,22 @@ class _Http(_Connection):
     ) -> None:
         """Carry the rest of the request body (buf[start:end] already went to the worker)."""
         assert self.buf is not None
-        buf = self.buf
-        view = memoryview(buf)
-        loop = self.loop
         remaining = req.length - (self.end - head_end)
         self.start = self.end = 0
+        # A long Content-Length body takes a bulk buffer: nothing of the next request can
+        # follow it there, since the pump never reads past the body's end.
+        bulk = _take(BULK_SIZE) if scanner is None and remaining > len(self.buf) else None
+        try:
+            await self._pump(up, bulk or self.buf, remaining, scanner)
+        finally:
+            if bulk is not None:
+                _give(bulk)
+
+    async def _pump(
+        self, up: socket.socket, buf: bytearray, remaining: int, scanner: ChunkedScanner | None
+    ) -> None:
+        loop = self.loop
+        view = memoryview(buf)
         while True:
             limit = len(buf) if scanner is not None else min(len(buf), remaining)
             try:
@@ -629,7 +703,10 @@ class _Http(_Connection):
                 await loop.sock_sendall(up, view[:last])
             except OSError as e:
                 raise _WorkerGone(f"the worker closed the connection ({e})") from None
-            if (scanner is not None and scanner.done) or (scanner is None and remaining == 0):
+            if scanner is None and remaining == 0:
+                self.consumed = True
+                return
+            if scanner is not None and scanner.done:
                 self.start, self.end = last, n  # whatever follows is the next request
                 self.consumed = True
                 return
@@ -718,7 +795,6 @@ class _Http(_Connection):
         """Send the response head and body in buf[s:e] and what follows from the worker.
         Returns whether the worker connection can serve another request."""
         view = memoryview(buf)
-        size = len(buf)
         if resp.body in ("none", "tunnel"):
             await self.send_client(view[s : e if resp.body == "tunnel" else head_end])
             return e == head_end
@@ -727,43 +803,54 @@ class _Http(_Connection):
             first = min(e - head_end, remaining)
             remaining -= first
             await self.send_client(view[s : head_end + first])
-            extra = e > head_end + first
-            while remaining:
-                n = await self.recv_up(up, view[: min(size, remaining)])
-                if n == 0:
-                    raise _WorkerGone(
-                        "the worker closed the connection in the middle of a response"
-                    )
-                remaining -= n
-                await self.send_client(view[:n])
-            return not extra
-        if resp.body == "chunked":
-            scanner = ChunkedScanner()
+            if remaining > len(buf):
+                big = _take(BULK_SIZE)
+                try:
+                    await self.relay_length(up, big, remaining)
+                finally:
+                    _give(big)
+            elif remaining:
+                await self.relay_length(up, buf, remaining)
+            return e == head_end + first
+        chunked = ChunkedScanner() if resp.body == "chunked" else None
+        try:
+            at = chunked.scan(buf, head_end, e) if chunked is not None else -1
+            await self.send_client(view[s : at if at >= 0 else e])
+            if at >= 0:
+                return at == e
+            bulk: bytearray | None = None
             try:
-                at = scanner.scan(buf, head_end, e)
-                await self.send_client(view[s : at if at >= 0 else e])
-                if at >= 0:
-                    return at == e
                 while True:
                     n = await self.recv_up(up, view)
                     if n == 0:
+                        if chunked is None:  # close-delimited: the worker's EOF ends it
+                            return False
                         raise _WorkerGone(
                             "the worker closed the connection in the middle of a response"
                         )
-                    at = scanner.scan(buf, 0, n)
+                    at = chunked.scan(bulk or buf, 0, n) if chunked is not None else -1
                     await self.send_client(view[: at if at >= 0 else n])
                     if at >= 0:
                         return at == n
-            except HttpError as err:
-                raise HttpError(
-                    502, f"the worker sent a malformed chunked body: {err.reason}"
-                ) from None
-        # Close-delimited: everything until the worker's EOF.
-        await self.send_client(view[s:e])
-        while True:
-            n = await self.recv_up(up, view)
+                    if n == len(view) and bulk is None:  # a full buffer: switch to bulk
+                        bulk = _take(BULK_SIZE)
+                        view = memoryview(bulk)
+            finally:
+                if bulk is not None:
+                    _give(bulk)
+        except HttpError as err:
+            raise HttpError(
+                502, f"the worker sent a malformed chunked body: {err.reason}"
+            ) from None
+
+    async def relay_length(self, up: socket.socket, buf: bytearray, remaining: int) -> None:
+        view = memoryview(buf)
+        size = len(buf)
+        while remaining:
+            n = await self.recv_up(up, view[: min(size, remaining)])
             if n == 0:
-                return False
+                raise _WorkerGone("the worker closed the connection in the middle of a response")
+            remaining -= n
             await self.send_client(view[:n])
 
 
@@ -797,11 +884,7 @@ async def serve_tcp(client: socket.socket, backend: Backend) -> None:
     lease: Lease | None = None
     try:
         lease = backend.lease(None)
-        conn.watch(waiting=True)
-        try:
-            address, generation = await backend.ready()
-        finally:
-            conn.unwatch()
+        address, generation = await conn.ready()
         up, _ = await conn.upstream(address, generation)
         await _relay_both(conn.loop, client, up)
     except asyncio.CancelledError:

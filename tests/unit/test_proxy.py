@@ -1031,14 +1031,14 @@ def test_tcp_unavailable_closes_and_gone_client_releases() -> None:
 def test_idle_connections_hold_no_buffer() -> None:
     async def test() -> None:
         async with Setup(echo_worker) as (_, _, px):
-            proxy._pool.clear()
+            proxy._pools[proxy.BUFFER_SIZE].clear()
             clients = [await px.connect() for _ in range(20)]
             for client in clients:
                 await client.send(b"GET / HTTP/1.1\r\n\r\n")
                 await client.response()
             await asyncio.sleep(0.05)
             # Every buffer went back to the pool; the same two served every request.
-            assert len(proxy._pool) == 2
+            assert len(proxy._pools[proxy.BUFFER_SIZE]) == 2
             for client in clients:
                 client.close()
             await px.settle()
