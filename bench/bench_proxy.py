@@ -1,0 +1,455 @@
+#!/usr/bin/env python3
+"""The data path, measured: direct vs systemd-socket-proxyd vs agent.proxy.
+
+One run on this machine, loopback only, about a minute. Three processes per path:
+this one (the client), a small raw-socket HTTP backend, and the proxy under test —
+`systemd-socket-proxyd` or `agent.proxy.serve_http` behind a plain accept loop with a
+backend that is always ready (a separate process, like proxyd). Both proxies get their
+listening socket as fd 3 (LISTEN_FDS=1, LISTEN_PID).
+
+Prints, side by side: latency p50/p99 of small requests (keep-alive, and a new
+connection per request) and the latency each proxy adds over direct; throughput of a
+100 MiB body in each direction; resident memory per idle keep-alive connection while
+1,000 are held. Writes the table to bench/results/proxy.txt.
+
+    python3 bench/bench_proxy.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import selectors
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROXYD = "/lib/systemd/systemd-socket-proxyd"
+BIG = 100 * 1024 * 1024
+SMALL = b"GET /small HTTP/1.1\r\nHost: bench\r\n\r\n"
+SMALL_RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok"
+BIG_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: %d\r\n\r\n"
+)
+CHUNK = 1024 * 1024
+HELD = 1000
+
+Address = tuple[str, int]
+
+# -- the backend: epoll for small requests, a thread per connection for big bodies ----------
+
+
+def backend_main() -> None:
+    listener = socket.socket(fileno=3)
+    listener.setblocking(False)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, None)
+    while True:
+        for key, _ in sel.select():
+            if key.data is None:
+                while True:
+                    try:
+                        conn, _ = listener.accept()
+                    except BlockingIOError:
+                        break
+                    conn.setblocking(False)
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sel.register(conn, selectors.EVENT_READ, bytearray())
+                continue
+            conn = key.fileobj
+            assert isinstance(conn, socket.socket)
+            try:
+                data = conn.recv(65536)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                sel.unregister(conn)
+                conn.close()
+                continue
+            buf: bytearray = key.data
+            buf += data
+            while (i := buf.find(b"\r\n\r\n")) >= 0:
+                if buf.startswith(b"GET /small"):
+                    del buf[: i + 4]
+                    conn.send(SMALL_RESPONSE)  # tiny: always fits the empty send buffer
+                    continue
+                sel.unregister(conn)  # a big body: a blocking thread takes the connection
+                conn.setblocking(True)
+                threading.Thread(target=serve_big, args=(conn, bytes(buf)), daemon=True).start()
+                break
+
+
+def serve_big(conn: socket.socket, pending: bytes) -> None:
+    chunk = memoryview(bytes(CHUNK))
+    sink = bytearray(CHUNK)
+    with conn:
+        while True:
+            while b"\r\n\r\n" not in pending:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                pending += data
+            i = pending.index(b"\r\n\r\n") + 4
+            head, pending = pending[:i], pending[i:]
+            if head.startswith(b"GET /big"):
+                conn.sendall(BIG_HEAD % BIG)
+                for _ in range(BIG // CHUNK):
+                    conn.sendall(chunk)
+            elif head.startswith(b"POST /upload"):
+                length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                left = length - len(pending)
+                pending = b""
+                while left > 0:
+                    n = conn.recv_into(sink, min(CHUNK, left))
+                    if not n:
+                        return
+                    left -= n
+                conn.sendall(SMALL_RESPONSE)
+            else:
+                conn.sendall(SMALL_RESPONSE)
+
+
+# -- our proxy: agent.proxy.serve_http behind a plain accept loop --------------------------
+
+
+def ours_main(backend_port: int) -> None:
+    sys.path.insert(0, str(ROOT))
+    from agent.model import Address as Addr
+    from agent.proxy import serve_http
+
+    class NoLease:
+        def release(self) -> None:
+            pass
+
+    class AlwaysReady:
+        slug = "bench"
+        request_timeout_s = 300.0
+        address = Addr("127.0.0.1", backend_port)
+        no_lease = NoLease()
+
+        def lease(self, path: str | None) -> NoLease:
+            return self.no_lease
+
+        async def ready(self) -> tuple[Addr, int]:
+            return self.address, 1
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        listener = socket.socket(fileno=3)
+        listener.setblocking(False)
+        backend = AlwaysReady()
+        tasks: set[asyncio.Task[None]] = set()
+        while True:
+            client, _ = await loop.sock_accept(listener)
+            task = loop.create_task(serve_http(client, backend))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    asyncio.run(main())
+
+
+# -- processes --------------------------------------------------------------------------
+
+
+def listener() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4096)
+    return sock
+
+
+def spawn(argv: list[str], sock: socket.socket) -> subprocess.Popen[bytes]:
+    """Start argv with sock as fd 3 and LISTEN_FDS=1 / LISTEN_PID set to its own pid."""
+    fd = sock.fileno()
+    env = dict(os.environ, LISTEN_FDS="1")
+
+    def as_fd3() -> None:
+        if fd == 3:
+            os.set_inheritable(3, True)  # dup2(3, 3) would keep close-on-exec
+        else:
+            os.dup2(fd, 3)  # dup2 leaves fd 3 inheritable
+
+    return subprocess.Popen(
+        ["/bin/sh", "-c", 'LISTEN_PID=$$ exec "$@"', "sh", *argv],
+        preexec_fn=as_fd3,
+        close_fds=False,  # everything else Python opened is close-on-exec already
+        env=env,
+    )
+
+
+def wait_listening(address: Address) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            request(address, SMALL, len(SMALL_RESPONSE))
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+# -- the client ---------------------------------------------------------------------------
+
+
+def connect(address: Address) -> socket.socket:
+    sock = socket.create_connection(address, timeout=20)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def read_n(sock: socket.socket, n: int) -> None:
+    got = 0
+    while got < n:
+        data = sock.recv(65536)
+        if not data:
+            raise ConnectionError("connection closed early")
+        got += len(data)
+
+
+def request(address: Address, data: bytes, answer: int) -> None:
+    with connect(address) as sock:
+        sock.sendall(data)
+        read_n(sock, answer)
+
+
+def keep_alive_us(address: Address, n: int) -> list[float]:
+    out = []
+    with connect(address) as sock:
+        for _ in range(n):
+            t = time.perf_counter_ns()
+            sock.sendall(SMALL)
+            read_n(sock, len(SMALL_RESPONSE))
+            out.append((time.perf_counter_ns() - t) / 1000)
+    return out
+
+
+def new_connection_us(address: Address, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter_ns()
+        request(address, SMALL, len(SMALL_RESPONSE))
+        out.append((time.perf_counter_ns() - t) / 1000)
+    return out
+
+
+def download_mbs(address: Address) -> float:
+    buf = bytearray(CHUNK)
+    with connect(address) as sock:
+        t = time.perf_counter()
+        sock.sendall(b"GET /big HTTP/1.1\r\nHost: bench\r\n\r\n")
+        want = len(BIG_HEAD % BIG) + BIG
+        got = 0
+        while got < want:
+            n = sock.recv_into(buf)
+            if not n:
+                raise ConnectionError("download cut short")
+            got += n
+        return BIG / (time.perf_counter() - t) / 1e6
+
+
+def upload_mbs(address: Address) -> float:
+    chunk = memoryview(bytes(CHUNK))
+    with connect(address) as sock:
+        t = time.perf_counter()
+        sock.sendall(b"POST /upload HTTP/1.1\r\nHost: bench\r\nContent-Length: %d\r\n\r\n" % BIG)
+        for _ in range(BIG // CHUNK):
+            sock.sendall(chunk)
+        read_n(sock, len(SMALL_RESPONSE))
+        return BIG / (time.perf_counter() - t) / 1e6
+
+
+def hold_connections(address: Address, pid: int, n: int) -> float:
+    """Resident bytes per idle keep-alive connection (each served one request first)."""
+    warm = [connect(address) for _ in range(50)]
+    for sock in warm:
+        sock.sendall(SMALL)
+        read_n(sock, len(SMALL_RESPONSE))
+    time.sleep(0.3)
+    before = rss_bytes(pid)
+    held = []
+    try:
+        for _ in range(n):
+            sock = connect(address)
+            sock.sendall(SMALL)
+            read_n(sock, len(SMALL_RESPONSE))
+            held.append(sock)
+        time.sleep(0.5)
+        after = rss_bytes(pid)
+    finally:
+        for sock in held + warm:
+            sock.close()
+    return (after - before) / n
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+# -- the run ------------------------------------------------------------------------------
+
+
+def run(quick: bool) -> str:
+    rounds = 3 if quick else 5
+    n_keep = 600 if quick else 2000
+    n_new = 200 if quick else 600
+    reps = 2 if quick else 5
+
+    back_sock = listener()
+    back_port = back_sock.getsockname()[1]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(spawn([sys.executable, __file__, "--role", "backend"], back_sock))
+        proxyd_sock, ours_sock = listener(), listener()
+        procs.append(spawn([PROXYD, "-c", "4096", f"127.0.0.1:{back_port}"], proxyd_sock))
+        procs.append(
+            spawn(
+                [sys.executable, __file__, "--role", "ours", "--backend-port", str(back_port)],
+                ours_sock,
+            )
+        )
+        paths: dict[str, Address] = {
+            "direct": ("127.0.0.1", back_port),
+            "proxyd": proxyd_sock.getsockname(),
+            "ours": ours_sock.getsockname(),
+        }
+        pids = {"proxyd": procs[1].pid, "ours": procs[2].pid}
+        for address in paths.values():
+            wait_listening(address)
+
+        keep: dict[str, list[float]] = {name: [] for name in paths}
+        new: dict[str, list[float]] = {name: [] for name in paths}
+        down: dict[str, list[float]] = {name: [] for name in paths}
+        up: dict[str, list[float]] = {name: [] for name in paths}
+        # Interleave the paths round by round so drift on the machine hits all three alike.
+        for address in paths.values():
+            keep_alive_us(address, 300)  # warm up
+            new_connection_us(address, 50)
+        for _ in range(rounds):
+            for name, address in paths.items():
+                keep[name] += keep_alive_us(address, n_keep // rounds)
+                new[name] += new_connection_us(address, n_new // rounds)
+        for _ in range(reps):
+            for name, address in paths.items():
+                down[name].append(download_mbs(address))
+                up[name].append(upload_mbs(address))
+        memory = {name: hold_connections(paths[name], pids[name], HELD) for name in pids}
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    return table(keep, new, down, up, memory, n_keep, n_new, reps)
+
+
+def table(
+    keep: dict[str, list[float]],
+    new: dict[str, list[float]],
+    down: dict[str, list[float]],
+    up: dict[str, list[float]],
+    memory: dict[str, float],
+    n_keep: int,
+    n_new: int,
+    reps: int,
+) -> str:
+    lines: list[str] = []
+    add = lines.append
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.machine(),
+    )
+    add(f"providerd data path — {time.strftime('%Y-%m-%d %H:%M')}, {cpu}, {os.cpu_count()} CPUs,")
+    add(f"Linux {platform.release()}, Python {platform.python_version()}, loopback TCP.")
+    add("direct = client → backend; proxyd = systemd-socket-proxyd; ours = agent.proxy.serve_http")
+    add("(separate process, always-ready backend). Added = path - direct at the same percentile.")
+    add("")
+    row = "{:<34}{:>10}{:>10}{:>10}{:>14}"
+    add(row.format("", "direct", "proxyd", "ours", "ours/proxyd"))
+
+    def latency(label: str, samples: dict[str, list[float]], n: int) -> None:
+        for p in (50, 99):
+            v = {k: pct(s, p) for k, s in samples.items()}
+            add(row.format(f"{label} p{p} (µs, n={n})", *(f"{v[k]:.0f}" for k in v), ""))
+            a_proxyd, a_ours = v["proxyd"] - v["direct"], v["ours"] - v["direct"]
+            ratio = f"{a_ours / a_proxyd:.2f}x" if a_proxyd > 0 else "n/a"
+            add(row.format(f"  added p{p} (µs)", "", f"{a_proxyd:.0f}", f"{a_ours:.0f}", ratio))
+
+    latency("keep-alive", keep, n_keep)
+    latency("new connection", new, n_new)
+    for label, samples in (
+        (f"download 100 MiB (MB/s, median of {reps})", down),
+        ("upload 100 MiB (MB/s)", up),
+    ):
+        v = {k: statistics.median(s) for k, s in samples.items()}
+        add(row.format(label, *(f"{v[k]:.0f}" for k in v), f"{v['ours'] / v['proxyd']:.2f}x"))
+    add(
+        row.format(
+            f"memory per idle connection (B, {HELD} held)",
+            "",
+            f"{memory['proxyd']:.0f}",
+            f"{memory['ours']:.0f}",
+            "",
+        )
+    )
+    add("")
+    add("Targets: added keep-alive latency ≤ 1.5x proxyd's; throughput ≥ 0.8x proxyd's.")
+    add("Memory is the proxy process's resident set growth (kernel socket buffers not included).")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
+    parser.add_argument("--role", choices=("backend", "ours"), help=argparse.SUPPRESS)
+    parser.add_argument("--backend-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "proxy.txt"))
+    args = parser.parse_args(argv)
+    roles: dict[str, Callable[[], None]] = {
+        "backend": backend_main,
+        "ours": lambda: ours_main(args.backend_port),
+    }
+    if args.role:
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        roles[args.role]()
+        return 0
+    if not os.access(PROXYD, os.X_OK):
+        print(f"bench_proxy: {PROXYD} not found (Debian package systemd)", file=sys.stderr)
+        return 1
+    text = run(args.quick)
+    print(text, end="")
+    if not args.quick:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
