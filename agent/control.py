@@ -158,25 +158,30 @@ class SystemdWorker:
 
 
 async def journal_tail(unit: str, lines: int = 10) -> list[str]:
-    """The unit's last log lines, from the journal (empty where it cannot be read)."""
+    """The unit's last log lines, from the journal (empty where it cannot be read).
+
+    No `this_boot()`: it reads /proc/sys, which the front's sandbox hides (ProcSubset=pid).
+    """
 
     def read() -> list[str]:
         try:
             from systemd import journal
-        except ImportError:
+
+            reader = journal.Reader()
+            try:
+                reader.add_match(_SYSTEMD_UNIT=unit)
+                reader.seek_tail()
+                out: list[str] = []
+                for _ in range(lines):
+                    entry = reader.get_previous()
+                    if not entry:
+                        break
+                    out.append(str(entry.get("MESSAGE", "")))
+                return out[::-1]
+            finally:
+                reader.close()
+        except Exception:  # the journal is an aid to the message, never a reason to fail
             return []
-        reader = journal.Reader()
-        reader.this_boot()
-        reader.add_match(_SYSTEMD_UNIT=unit)
-        reader.seek_tail()
-        out: list[str] = []
-        for _ in range(lines):
-            entry = reader.get_previous()
-            if not entry:
-                break
-            out.append(str(entry.get("MESSAGE", "")))
-        reader.close()
-        return out[::-1]
 
     return await asyncio.get_running_loop().run_in_executor(None, read)
 
