@@ -68,7 +68,9 @@ class Provider:
     # [runtime]
     mode: Literal["resident"] = "resident"
     command: tuple[str, ...] = ()  # argv with placeholders such as {port}; empty when launch is set
-    launch: str | None = None  # "package.module:function" returning argv; resolved by the worker wrapper
+    launch: str | None = (
+        None  # "package.module:function" returning argv; resolved by the worker wrapper
+    )
     worker_port: int = 0  # the worker's private port; 0 = chosen by the front at each start
     ready: Ready = field(default_factory=lambda: Ready("tcp"))
     environment: tuple[tuple[str, str], ...] = ()  # ordered (name, value)
@@ -115,4 +117,8 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.file}: {self.key}: {self.message}" if self.key else f"{self.file}: {self.message}"
+        return (
+            f"{self.file}: {self.key}: {self.message}"
+            if self.key
+            else f"{self.file}: {self.message}"
+        )
