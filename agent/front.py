@@ -177,12 +177,14 @@ class Front:
             conn.setblocking(False)
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = asyncio.get_running_loop().create_task(self._serve(conn))
+            # The connection counts from now, not from when its task first runs: an idle
+            # decision in this same turn of the loop must see it.
+            backend = _Connection(self)
+            task = asyncio.get_running_loop().create_task(self._serve(conn, backend))
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
 
-    async def _serve(self, conn: socket.socket) -> None:
-        backend = _Connection(self)
+    async def _serve(self, conn: socket.socket, backend: _Connection) -> None:
         try:
             if self.provider.protocol == "http":
                 await serve_http(conn, backend)
@@ -396,13 +398,14 @@ class Front:
         """Let go for good (systemd mode): stop accepting, say STOPPING, stop the worker, exit."""
         self.stop_accepting()
         self.notify(f"STOPPING=1\nSTATUS={reason}")
-        self._spawn(self._release(reason))
-
-    async def _release(self, reason: str) -> None:
+        # Decided now, in this turn of the loop: nothing may be handed the worker after this.
         if self.state in (State.READY, State.STARTING):
             self._dispatch(Event.RELEASE, reason)
         else:
             self.log.info("%s", reason)
+        self._spawn(self._release())
+
+    async def _release(self) -> None:
         await self._stopped.wait()
         for task in list(self._connections):
             task.cancel()

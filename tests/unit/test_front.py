@@ -1,0 +1,161 @@
+"""The front's own decisions on real loopback sockets, with an in-process worker."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+
+from agent.control import DeviceRules, StartFailed
+from agent.front import Front
+from agent.model import Address, Provider
+from agent.state import State
+
+RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+class InProcessWorker:
+    """A WorkerControl whose "model" is an asyncio server in this process."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.fail = fail
+        self.starts = 0
+        self.stops = 0
+        self.server: asyncio.AbstractServer | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+        self._on_exit = lambda _reason: None
+
+    def on_exit(self, callback: object) -> None:
+        self._on_exit = callback  # type: ignore[assignment]
+
+    async def start(self, env: Mapping[str, str], devices: DeviceRules | None) -> None:
+        self.starts += 1
+        if self.fail:
+            raise StartFailed(self.fail)
+
+        async def answer(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            self.writers.append(w)
+            try:
+                while await r.readuntil(b"\r\n\r\n"):
+                    w.write(RESPONSE)
+                    await w.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                w.close()
+
+        port = int(env["PROVIDERD_WORKER_PORT"])
+        self.server = await asyncio.start_server(answer, "127.0.0.1", port)
+
+    async def stop(self) -> None:
+        self.stops += 1
+        if self.server is not None:
+            self.server.close()
+            for w in self.writers:
+                w.close()
+            await self.server.wait_closed()
+            self.server = None
+
+    async def pids(self) -> list[int]:
+        return []
+
+    async def memory(self) -> dict[str, int | None]:
+        return {"current": None, "max": None}
+
+
+def provider(**kw: object) -> Provider:
+    base: dict[str, object] = {
+        "slug": "t",
+        "source": Path("/t.toml"),
+        "addresses": (Address("127.0.0.1", 1),),
+        "idle_timeout_s": 30.0,
+    }
+    base.update(kw)
+    return Provider(**base)  # type: ignore[arg-type]
+
+
+def listener() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(64)
+    return s
+
+
+async def get(port: int) -> bytes:
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+    data = await asyncio.wait_for(r.read(), 5)
+    w.close()
+    await w.wait_closed()
+    return data
+
+
+async def shutdown(front: Front, worker: InProcessWorker) -> None:
+    front.stop_accepting()
+    for task in list(front._connections):
+        task.cancel()
+    await asyncio.gather(*front._connections, return_exceptions=True)
+    await worker.stop()
+    await asyncio.sleep(0)
+
+
+def test_a_connection_accepted_in_the_turn_of_an_idle_exit_is_served() -> None:
+    """Regression: the idle decision ran before the new connection's task had counted it,
+    so the worker was stopped under a request (seen as a 503 in the container tier)."""
+
+    async def go() -> tuple[bytes, State, int]:
+        sock = listener()
+        port = sock.getsockname()[1]
+        worker = InProcessWorker()
+        front = Front(provider(), worker, [sock], exit_on_idle=True)
+        front.start_accepting()
+        front.warm()
+        while front.state != State.READY:
+            await asyncio.sleep(0.01)
+        asyncio.get_running_loop().remove_reader(sock.fileno())  # accept by hand below
+        client = asyncio.create_task(get(port))
+        await asyncio.sleep(0.05)  # the connection waits in the accept queue
+        front._accept(sock)  # accepted in this turn of the loop …
+        front._idle()  # … and the idle deadline falls in the same turn
+        data = await client
+        state, stops = front.state, worker.stops
+        await shutdown(front, worker)
+        return data, state, stops
+
+    data, state, stops = asyncio.run(go())
+    assert data.startswith(b"HTTP/1.1 200"), data
+    assert state == State.READY and stops == 0
+
+
+def test_idle_exit_stops_accepting_and_releases() -> None:
+    async def go() -> tuple[bool, int]:
+        sock = listener()
+        worker = InProcessWorker()
+        front = Front(provider(idle_timeout_s=0.2), worker, [sock], exit_on_idle=True)
+        front.start_accepting()
+        front.warm()
+        await asyncio.wait_for(front.done.wait(), 5)
+        closed, stops = sock.fileno() == -1, worker.stops
+        await shutdown(front, worker)
+        return closed, stops
+
+    closed, stops = asyncio.run(go())
+    assert closed and stops == 1
+
+
+def test_failed_start_refuses_during_backoff_without_restarting() -> None:
+    async def go() -> tuple[list[bytes], int]:
+        sock = listener()
+        port = sock.getsockname()[1]
+        worker = InProcessWorker(fail="worker failed to start: status 3")
+        front = Front(provider(), worker, [sock], exit_on_idle=False)
+        front.start_accepting()
+        answers = [await get(port) for _ in range(5)]
+        await shutdown(front, worker)
+        return answers, worker.starts
+
+    answers, starts = asyncio.run(go())
+    assert all(a.startswith(b"HTTP/1.1 503") for a in answers), answers
+    assert b"status 3" in answers[0] and b"Retry-After" in answers[0]
+    assert starts == 1
