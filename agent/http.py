@@ -59,12 +59,16 @@ class RequestHead:
     method: str
     target: str
     version: int  # 10 or 11
-    headers: list[tuple[str, str]]  # names as sent
+    block: bytes  # the header fields as sent, through the final empty line
     body: Body  # "none", "length" or "chunked"
     length: int  # for body == "length"
     keep_alive: bool  # the client lets the connection stay open after the response
     upgrade: bool  # Upgrade requested (Connection: upgrade), or CONNECT
     expect_continue: bool
+
+    @property
+    def headers(self) -> list[tuple[str, str]]:
+        return fields(self.block)
 
     @property
     def path(self) -> str:
@@ -85,10 +89,14 @@ class ResponseHead:
     version: int
     status: int
     reason: str
-    headers: list[tuple[str, str]]
+    block: bytes  # the header fields as sent, through the final empty line
     body: Body
     length: int
     keep_alive: bool  # the worker keeps the connection open after this response
+
+    @property
+    def headers(self) -> list[tuple[str, str]]:
+        return fields(self.block)
 
 
 def find_head_end(buf: bytes | bytearray, start: int, end: int) -> int:
@@ -113,13 +121,46 @@ def skip_empty_lines(buf: bytes | bytearray, start: int, end: int) -> int:
     return start
 
 
-def _lines(head: bytes | bytearray | memoryview) -> list[str]:
-    text = bytes(head).decode("latin-1")
-    lines = text.split("\n")
-    # The head ends with an empty line: drop it and the trailing "" after the last LF.
-    while lines and lines[-1] in ("", "\r"):
-        lines.pop()
-    return [line[:-1] if line.endswith("\r") else line for line in lines]
+Buffer = bytes | bytearray
+
+_TOKEN_CHARS = rb"!#$%&'*+\-.^_`|~0-9A-Za-z"
+_REQUEST_LINE = re.compile(
+    rb"([" + _TOKEN_CHARS + rb"]+) ([\x21-\x7e\x80-\xff]+) HTTP/([0-9])\.([0-9])\r?\n"
+)
+_STATUS_LINE = re.compile(rb"HTTP/([0-9])\.([0-9]) ([0-9]{3})(?: ([^\r\n]*))?\r?\n")
+_BLOCK = re.compile(rb"(?:[" + _TOKEN_CHARS + rb"]+:[^\r\n\x00]*\r?\n)*\r?\n")
+_FRAMING = re.compile(
+    rb"^(content-length|transfer-encoding|connection|upgrade|expect):[ \t]*([^\r\n]*?)[ \t]*\r?$",
+    re.IGNORECASE | re.MULTILINE,
+)
+
+
+def _field_error(block: str, error_status: int) -> HttpError:
+    """Why a field block failed _BLOCK (the slow path, for the message)."""
+    for line in block.split("\n"):
+        line = line.removesuffix("\r")
+        if not line:
+            break
+        name, sep, value = line.partition(":")
+        if line[:1] in (" ", "\t"):
+            return HttpError(error_status, "obsolete line folding in a header field")
+        if not sep or not _TOKEN.fullmatch(name):
+            return HttpError(error_status, f"malformed header field {line[:40]!r}")
+        if "\r" in value or "\x00" in value:
+            return HttpError(error_status, f"forbidden character in header field {name!r}")
+    return HttpError(error_status, "malformed header section")
+
+
+def fields(block: bytes) -> list[tuple[str, str]]:
+    """The (name, value) pairs of a validated field block, in order, names as sent."""
+    out = []
+    for line in block.decode("latin-1").split("\n"):
+        line = line.removesuffix("\r")
+        if not line:
+            break
+        name, _, value = line.partition(":")
+        out.append((name, value.strip(" \t")))
+    return out
 
 
 class _Fields:
@@ -130,28 +171,19 @@ class _Fields:
     def __init__(self) -> None:
         self.content_length: int | None = None
         self.transfer_encoding: list[str] = []
-        self.connection: set[str] = set()
+        self.connection: frozenset[str] | set[str] = frozenset()
         self.upgrade = False
         self.expect = ""
 
 
-def _fields(lines: list[str], error_status: int) -> tuple[list[tuple[str, str]], _Fields]:
-    if len(lines) - 1 > MAX_HEADERS:
-        raise HttpError(431, f"more than {MAX_HEADERS} header fields")
-    headers: list[tuple[str, str]] = []
+def _fields(buf: Buffer, start: int, end: int, error_status: int) -> _Fields:
+    if not _BLOCK.fullmatch(buf, start, end):
+        raise _field_error(bytes(buf[start:end]).decode("latin-1"), error_status)
     f = _Fields()
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or not _TOKEN.fullmatch(name):
-            if line[:1] in (" ", "\t"):
-                raise HttpError(error_status, "obsolete line folding in a header field")
-            raise HttpError(error_status, f"malformed header field {line[:40]!r}")
-        value = value.strip(" \t")
-        if "\r" in value or "\x00" in value:
-            raise HttpError(error_status, f"forbidden character in header field {name!r}")
-        headers.append((name, value))
-        key = name.lower()
-        if key == "content-length":
+    for m in _FRAMING.finditer(buf, start, end):
+        key = m[1].lower()
+        value = m[2].decode("latin-1")
+        if key == b"content-length":
             for part in value.split(","):
                 part = part.strip(" \t")
                 if not part.isdigit() or not part.isascii() or len(part) > 18:
@@ -160,48 +192,64 @@ def _fields(lines: list[str], error_status: int) -> tuple[list[tuple[str, str]],
                 if f.content_length is not None and f.content_length != n:
                     raise HttpError(error_status, "conflicting Content-Length fields")
                 f.content_length = n
-        elif key == "transfer-encoding":
+        elif key == b"transfer-encoding":
             f.transfer_encoding += [t.strip(" \t").lower() for t in value.split(",") if t.strip()]
-        elif key == "connection":
+        elif key == b"connection":
+            f.connection = set(f.connection)
             f.connection.update(t.strip(" \t").lower() for t in value.split(","))
-        elif key == "upgrade":
+        elif key == b"upgrade":
             f.upgrade = True
-        elif key == "expect":
+        else:
             f.expect = value.lower()
-    return headers, f
+    if buf.count(b"\n", start, end) - 1 > MAX_HEADERS:
+        raise HttpError(431, f"more than {MAX_HEADERS} header fields")
+    return f
 
 
-def _version(text: str, error_status: int) -> int:
-    if text == "HTTP/1.1":
-        return 11
-    if text == "HTTP/1.0":
-        return 10
-    if len(text) == 8 and text.startswith("HTTP/") and text[5].isdigit() and text[7].isdigit():
-        raise HttpError(505 if error_status == 400 else error_status, f"unsupported {text}")
-    raise HttpError(error_status, f"malformed protocol version {text[:20]!r}")
+def _version(major: bytes, minor: bytes, error_status: int) -> int:
+    version = int(major) * 10 + int(minor)
+    if version not in (10, 11):
+        raise HttpError(
+            505 if error_status == 400 else error_status,
+            f"unsupported HTTP/{major.decode()}.{minor.decode()}",
+        )
+    return version
 
 
-def _keep_alive(version: int, connection: set[str]) -> bool:
+def _keep_alive(version: int, connection: frozenset[str] | set[str]) -> bool:
     if "close" in connection:
         return False
     return version == 11 or "keep-alive" in connection
 
 
-def parse_request_head(head: bytes | bytearray | memoryview) -> RequestHead:
-    """Parse a request head (start line through the blank line). Raises HttpError."""
-    lines = _lines(head)
-    if not lines:
-        raise HttpError(400, "empty request")
-    parts = lines[0].split(" ")
+def _request_line_error(buf: Buffer, start: int, end: int) -> HttpError:
+    nl = buf.find(b"\n", start, end)
+    line = bytes(buf[start : nl if nl >= 0 else end]).decode("latin-1").split("\n")[0]
+    line = line.removesuffix("\r")
+    parts = line.split(" ")
+    if not line:
+        return HttpError(400, "empty request")
     if len(parts) != 3:
-        raise HttpError(400, f"malformed request line {lines[0][:60]!r}")
-    method, target, version_text = parts
+        return HttpError(400, f"malformed request line {line[:60]!r}")
+    method, target, version = parts
     if not _TOKEN.fullmatch(method):
-        raise HttpError(400, f"malformed method {method[:20]!r}")
+        return HttpError(400, f"malformed method {method[:20]!r}")
     if not _TARGET.fullmatch(target):
-        raise HttpError(400, "malformed request target")
-    version = _version(version_text, 400)
-    headers, f = _fields(lines, 400)
+        return HttpError(400, "malformed request target")
+    return HttpError(400, f"malformed protocol version {version[:20]!r}")
+
+
+def parse_request_head(buf: Buffer, start: int = 0, end: int | None = None) -> RequestHead:
+    """Parse the request head in buf[start:end] (request line through the blank line).
+    Raises HttpError."""
+    if end is None:
+        end = len(buf)
+    m = _REQUEST_LINE.match(buf, start, end)
+    if m is None:
+        raise _request_line_error(buf, start, end)
+    method = m[1].decode()
+    version = _version(m[3], m[4], 400)
+    f = _fields(buf, m.end(), end, 400)
     body: Body = "none"
     length = 0
     if f.transfer_encoding:
@@ -216,32 +264,33 @@ def parse_request_head(head: bytes | bytearray | memoryview) -> RequestHead:
         body = "chunked"
     elif f.content_length:
         body, length = "length", f.content_length
-    upgrade = method == "CONNECT" or (f.upgrade and "upgrade" in f.connection)
     return RequestHead(
         method=method,
-        target=target,
+        target=m[2].decode("latin-1"),
         version=version,
-        headers=headers,
+        block=bytes(buf[m.end() : end]),
         body=body,
         length=length,
         keep_alive=_keep_alive(version, f.connection),
-        upgrade=upgrade,
+        upgrade=method == "CONNECT" or (f.upgrade and "upgrade" in f.connection),
         expect_continue=f.expect == "100-continue",
     )
 
 
-def parse_response_head(head: bytes | bytearray | memoryview, method: str) -> ResponseHead:
-    """Parse a response head to a request with `method`. Raises HttpError(502)."""
-    lines = _lines(head)
-    if not lines:
-        raise HttpError(502, "empty response head")
-    version_text, _, rest = lines[0].partition(" ")
-    version = _version(version_text, 502)
-    code, _, reason = rest.partition(" ")
-    if len(code) != 3 or not code.isdigit() or not code.isascii():
-        raise HttpError(502, f"malformed status line {lines[0][:60]!r}")
-    status = int(code)
-    headers, f = _fields(lines, 502)
+def parse_response_head(
+    buf: Buffer, method: str, start: int = 0, end: int | None = None
+) -> ResponseHead:
+    """Parse the response head in buf[start:end] to a request with `method`.
+    Raises HttpError(502)."""
+    if end is None:
+        end = len(buf)
+    m = _STATUS_LINE.match(buf, start, end)
+    if m is None:
+        line = bytes(buf[start:end]).decode("latin-1").split("\n")[0].removesuffix("\r")
+        raise HttpError(502, f"malformed status line {line[:60]!r}")
+    version = _version(m[1], m[2], 502)
+    status = int(m[3])
+    f = _fields(buf, m.end(), end, 502)
     keep_alive = _keep_alive(version, f.connection)
     body: Body
     length = 0
@@ -258,7 +307,10 @@ def parse_response_head(head: bytes | bytearray | memoryview, method: str) -> Re
         body, length = "length", f.content_length
     else:
         body, keep_alive = "close", False
-    return ResponseHead(version, status, reason, headers, body, length, keep_alive)
+    reason = (m[4] or b"").decode("latin-1")
+    return ResponseHead(
+        version, status, reason, bytes(buf[m.end() : end]), body, length, keep_alive
+    )
 
 
 class ChunkedScanner:

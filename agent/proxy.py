@@ -418,7 +418,7 @@ class _Http(_Connection):
                 return
             assert self.buf is not None
             try:
-                request = parse_request_head(memoryview(self.buf)[self.start : head_end])
+                request = parse_request_head(self.buf, self.start, head_end)
             except HttpError as e:
                 await self.answer(e.status, {"error": e.reason}, close=True)
                 return
@@ -737,7 +737,7 @@ class _Http(_Connection):
                         raise _WorkerGone("the worker closed the connection before answering")
                     e += n
                     continue
-                resp = parse_response_head(view[s:head_end], req.method)
+                resp = parse_response_head(buf, req.method, s, head_end)
                 if resp.status >= 200 or resp.body == "tunnel":
                     break
                 await self.send_client(view[s:head_end])  # interim (1xx) response
