@@ -1044,3 +1044,78 @@ def test_idle_connections_hold_no_buffer() -> None:
             await px.settle()
 
     run(test)
+
+
+def test_client_leaving_in_the_middle_of_a_response_closes_the_worker_connection() -> None:
+    worker_saw_close = asyncio.Event()
+
+    async def streaming(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        try:
+            while True:  # a long generation, one token every 10 ms
+                writer.write(b"5\r\ntoken\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.01)
+        except ConnectionError:
+            pass
+        worker_saw_close.set()
+
+    async def test() -> None:
+        async with Setup(streaming) as (_, backend, px):
+            client = await px.connect()
+            await client.send(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+            await client.read_until(b"token\r\n")
+            assert backend.active == 1
+            client.close()
+            async with asyncio.timeout(3):
+                await worker_saw_close.wait()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
+
+
+def test_cancelling_the_connection_task_releases_the_lease_and_closes() -> None:
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await reader.read()
+
+    async def test() -> None:
+        async with Setup(mute) as (_, backend, px):
+            client = await px.connect()
+            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            async with asyncio.timeout(2):
+                while backend.active != 1:
+                    await asyncio.sleep(0.005)
+            (task,) = px.tasks
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            assert task.cancelled()
+            assert backend.active == 0
+            assert await client.eof()
+            client.close()
+
+    run(test)
+
+
+def test_held_request_gets_503_when_the_start_fails() -> None:
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+            backend.gate.clear()
+            client = await px.connect()
+            await client.send(b"GET /held HTTP/1.1\r\n\r\n")
+            async with asyncio.timeout(2):
+                while backend.waiting < 1:
+                    await asyncio.sleep(0.005)
+            backend.unavailable = Unavailable(503, "worker exited with status 1", retry_after_s=4)
+            backend.gate.set()
+            status, headers, body = await client.response()
+            assert status == 503 and headers["retry-after"] == "4"
+            assert json.loads(body)["error"] == "worker exited with status 1"
+            assert backend.active == 0
+            client.close()
+            await px.settle()
+
+    run(test)
