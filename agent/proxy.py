@@ -88,7 +88,11 @@ class Backend(Protocol):
     """What the front offers the data path for one provider."""
 
     slug: str
-    request_timeout_s: float  # <= 0: no limit
+    # Bounds one HTTP request from the moment ready() returns to the response's end (504,
+    # or a cut connection once the response began). The wait in ready() is the front's to
+    # bound (start_timeout_s). Tunnels after an upgrade and TCP connections have no limit.
+    # <= 0: no limit.
+    request_timeout_s: float
 
     def lease(self, path: str | None) -> Lease:
         """Begin one unit of in-flight work: an HTTP request (`path` without the query) or a
