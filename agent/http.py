@@ -239,9 +239,13 @@ def _request_line_error(buf: Buffer, start: int, end: int) -> HttpError:
     return HttpError(400, f"malformed protocol version {version[:20]!r}")
 
 
-def parse_request_head(buf: Buffer, start: int = 0, end: int | None = None) -> RequestHead:
+def parse_request_head(
+    buf: Buffer | memoryview, start: int = 0, end: int | None = None
+) -> RequestHead:
     """Parse the request head in buf[start:end] (request line through the blank line).
     Raises HttpError."""
+    if isinstance(buf, memoryview):
+        buf = bytes(buf)
     if end is None:
         end = len(buf)
     m = _REQUEST_LINE.match(buf, start, end)
@@ -278,10 +282,12 @@ def parse_request_head(buf: Buffer, start: int = 0, end: int | None = None) -> R
 
 
 def parse_response_head(
-    buf: Buffer, method: str, start: int = 0, end: int | None = None
+    buf: Buffer | memoryview, method: str, start: int = 0, end: int | None = None
 ) -> ResponseHead:
     """Parse the response head in buf[start:end] to a request with `method`.
     Raises HttpError(502)."""
+    if isinstance(buf, memoryview):
+        buf = bytes(buf)
     if end is None:
         end = len(buf)
     m = _STATUS_LINE.match(buf, start, end)

@@ -223,3 +223,14 @@ def test_error_response() -> None:
     assert json.loads(body) == {"error": "loading", "provider": "p"}
     head_only = error_response(503, {"error": "x"}, close=False, head_only=True)
     assert head_only.endswith(b"\r\n\r\n") and b"Connection" not in head_only
+
+
+def test_heads_parse_from_a_memoryview_or_a_range_of_a_buffer() -> None:
+    buf = bytearray(b"xxGET /m HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc")
+    end = find_head_end(buf, 2, len(buf))
+    in_place = parse_request_head(buf, 2, end)
+    viewed = parse_request_head(memoryview(buf)[2:end])
+    assert (in_place.path, in_place.length) == (viewed.path, viewed.length) == ("/m", 3)
+    assert viewed.headers == [("Content-Length", "3")]
+    resp = parse_response_head(memoryview(b"HTTP/1.1 204 No Content\r\n\r\n"), "GET")
+    assert (resp.status, resp.reason, resp.body) == (204, "No Content", "none")
