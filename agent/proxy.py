@@ -355,6 +355,7 @@ class _Connection:
             coro.close()
             raise
         self.watch(waiting=True)
+        self.park()
         try:
             return await _Resume(coro, first)
         except asyncio.CancelledError:
@@ -364,6 +365,13 @@ class _Connection:
             raise exc from None
         finally:
             self.unwatch()
+            self.unpark()
+
+    def park(self) -> None:
+        """About to wait for the worker, maybe for minutes: give back what can be."""
+
+    def unpark(self) -> None:
+        """The wait is over: take back what park() gave."""
 
     def watch_later(self) -> None:
         """Watch the client only once a response is slow to come (saves two epoll_ctl calls
@@ -413,7 +421,22 @@ class _Http(_Connection):
         self.started = False  # the final response head went to the client
         self.interim = False  # a 1xx response went to the client
         self.deadline: asyncio.Timeout | None = None  # the request timeout
+        self._parked: bytes | None = None  # buf[start:end] while waiting for the worker
         self.consumed = False  # the request body has been read from the client entirely
+
+    def park(self) -> None:
+        # A held connection keeps only its request's bytes, not a whole buffer: a cold
+        # start may hold a thousand of them.
+        if self.buf is not None:
+            self._parked = bytes(self.buf[self.start : self.end])
+            _give(self.buf)
+            self.buf = None
+
+    def unpark(self) -> None:
+        if self.buf is None and self._parked is not None:
+            self.buf = _take()
+            self.buf[self.start : self.end] = self._parked  # same offsets as before
+            self._parked = None
 
     async def run(self) -> None:
         while True:

@@ -1119,3 +1119,30 @@ def test_held_request_gets_503_when_the_start_fails() -> None:
             await px.settle()
 
     run(test)
+
+
+def test_held_requests_give_their_buffers_back_while_they_wait() -> None:
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+            backend.gate.clear()
+            proxy._pools[proxy.BUFFER_SIZE].clear()
+            clients = [await px.connect() for _ in range(20)]
+            for i, client in enumerate(clients):
+                await client.send(
+                    b"POST /p%d HTTP/1.1\r\nContent-Length: 5\r\n\r\nbody%d" % (i, i % 10)
+                    + b"GET /after HTTP/1.1\r\n\r\n"  # pipelined behind it
+                )
+            async with asyncio.timeout(2):
+                while backend.waiting < 20:
+                    await asyncio.sleep(0.005)
+            # Had any held connection kept its buffer, the emptied pool would still be empty.
+            assert proxy._pools[proxy.BUFFER_SIZE]
+            backend.gate.set()
+            for i, client in enumerate(clients):
+                assert (await client.response())[2] == b"POST /p%d body%d" % (i, i % 10)
+                assert (await client.response())[2] == b"GET /after "
+                client.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
