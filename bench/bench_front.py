@@ -8,7 +8,7 @@ provider is released with `providerctl stop`, so each round is a real cold start
 (front → worker wrapper → model → readiness → proxy).
 
 Memory: the serve process's RSS while 1,000 clients are held waiting for a worker that
-takes 3 s to load, compared with its RSS idle.
+takes 3 s to load (it does not listen before), compared with its RSS idle.
 
     python3 bench/bench_front.py [--runs N]
 
@@ -34,13 +34,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "front.txt"
 
-WORKER = (
+WORKER = (  # listens after argv[2] seconds (its load), then answers every request
     "import socket, sys, time\n"
+    "time.sleep(float(sys.argv[2]))\n"
     "s = socket.socket()\n"
     "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
     "s.bind(('127.0.0.1', int(sys.argv[1])))\n"
     "s.listen(1024)\n"
-    "time.sleep(float(sys.argv[2]))\n"
     "while True:\n"
     "    c, _ = s.accept()\n"
     "    c.recv(65536)\n"
