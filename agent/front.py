@@ -23,6 +23,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from agent.control import DeviceRules, StartFailed, WorkerControl
+from agent.listeners import Listeners
 from agent.model import Address, Provider
 from agent.proxy import Unavailable, serve_http, serve_tcp
 from agent.state import Action, Backoff, Event, State, step
@@ -132,7 +133,7 @@ class Front:
         self.backoff_until = 0.0
         self.done = asyncio.Event()  # set when the front has released everything and should exit
 
-        self._accepting = False
+        self.listening = Listeners(listeners, self._connection, self.log)
         self._idle_timer: asyncio.TimerHandle | None = None
         self._backoff_timer: asyncio.TimerHandle | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -148,41 +149,20 @@ class Front:
     # ------------------------------------------------------------------ accepting
 
     def start_accepting(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sock in self.listeners:
-            sock.setblocking(False)
-            loop.add_reader(sock.fileno(), self._accept, sock)
-        self._accepting = True
+        self.listening.start()
         self._arm_idle()
 
     def stop_accepting(self) -> None:
         """Stop accepting for good: what arrives now waits in the kernel for the next front."""
-        if not self._accepting:
-            return
-        self._accepting = False
-        loop = asyncio.get_running_loop()
-        for sock in self.listeners:
-            loop.remove_reader(sock.fileno())
-            sock.close()  # our copy only; never shutdown(): PID 1 shares the socket
+        self.listening.stop()
 
-    def _accept(self, sock: socket.socket) -> None:
-        for _ in range(64):
-            try:
-                conn, _peer = sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:
-                self.log.warning("Failed to accept connection: %s, ignoring", e)
-                return
-            conn.setblocking(False)
-            if conn.family != socket.AF_UNIX:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # The connection counts from now, not from when its task first runs: an idle
-            # decision in this same turn of the loop must see it.
-            backend = _Connection(self)
-            task = asyncio.get_running_loop().create_task(self._serve(conn, backend))
-            self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
+    def _connection(self, conn: socket.socket) -> None:
+        # The connection counts from now, not from when its task first runs: an idle
+        # decision in this same turn of the loop must see it.
+        backend = _Connection(self)
+        task = asyncio.get_running_loop().create_task(self._serve(conn, backend))
+        self._connections.add(task)
+        task.add_done_callback(self._connections.discard)
 
     async def _serve(self, conn: socket.socket, backend: _Connection) -> None:
         try:
@@ -314,7 +294,7 @@ class Front:
                 self.failure_extra = {}
             elif action == Action.ARM_IDLE and self.in_flight == 0:
                 self._arm_idle()
-        if self.state == State.IDLE and self.waiters and self._accepting:
+        if self.state == State.IDLE and self.waiters and self.listening.accepting:
             self._dispatch(Event.DEMAND, "request")  # demands that waited out a stop
         self._update_status()
 

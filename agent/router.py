@@ -53,6 +53,7 @@ from agent.http import (
     parse_response_head,
     skip_empty_lines,
 )
+from agent.listeners import Listeners
 from agent.model import Address, Provider
 
 log = logging.getLogger("providerd.router")
@@ -286,9 +287,7 @@ class _Client:
         self.router = router
         self.sock = sock
         self.loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
-        self.task = task
+        self.task: asyncio.Task[None]  # set by the router as it starts serving the connection
         self.buf: bytearray | None = None  # what the client sent and was not yet forwarded
         self.start = 0
         self.end = 0
@@ -806,7 +805,7 @@ class Router:
         self.busy = 0  # requests in flight, plus new connections within their grace
         self.routed = 0
         self.done = asyncio.Event()
-        self._accepting = False
+        self.listening = Listeners(listeners, self._connection, log)
         self._idle_timer: asyncio.TimerHandle | None = None
         self._fresh: dict[_Client, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -819,43 +818,25 @@ class Router:
     # -- accepting
 
     def start_accepting(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sock in self.listeners:
-            sock.setblocking(False)
-            loop.add_reader(sock.fileno(), self._accept, sock)
-        self._accepting = True
+        self.listening.start()
         self._arm_idle()
 
     def stop_accepting(self) -> None:
-        if not self._accepting:
-            return
-        self._accepting = False
-        loop = asyncio.get_running_loop()
-        for sock in self.listeners:
-            loop.remove_reader(sock.fileno())
-            sock.close()  # our copy only; never shutdown(): PID 1 shares the socket
+        self.listening.stop()
 
-    def _accept(self, listener: socket.socket) -> None:
-        for _ in range(64):
-            try:
-                conn, _peer = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:
-                log.warning("Failed to accept connection: %s, ignoring", e)
-                return
-            task = asyncio.get_running_loop().create_task(self._serve(conn))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _serve(self, sock: socket.socket) -> None:
-        sock.setblocking(False)
-        _nodelay(sock)
-        client = _Client(self, sock)
+    def _connection(self, conn: socket.socket) -> None:
+        # Counted in the accept callback itself: an idle exit decided in this same turn
+        # of the loop must see the connection, or it would cut it before its request.
+        client = _Client(self, conn)
         self._busy(+1)
         self._fresh[client] = asyncio.get_running_loop().call_later(
             FIRST_REQUEST_GRACE_S, self._grace_over, client
         )
+        task = client.task = asyncio.get_running_loop().create_task(self._serve(client))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, client: _Client) -> None:
         try:
             await client.run()
         except asyncio.CancelledError:
@@ -898,7 +879,7 @@ class Router:
             self._idle_timer = None
 
     def _arm_idle(self) -> None:
-        if not self.exit_on_idle or not self._accepting:
+        if not self.exit_on_idle or not self.listening.accepting:
             return
         if self._idle_timer is not None:
             self._idle_timer.cancel()

@@ -116,7 +116,7 @@ def test_a_connection_accepted_in_the_turn_of_an_idle_exit_is_served() -> None:
         asyncio.get_running_loop().remove_reader(sock.fileno())  # accept by hand below
         client = asyncio.create_task(get(port))
         await asyncio.sleep(0.05)  # the connection waits in the accept queue
-        front._accept(sock)  # accepted in this turn of the loop …
+        front.listening.accept(sock)  # accepted in this turn of the loop …
         front._idle()  # … and the idle deadline falls in the same turn
         data = await client
         state, stops = front.state, worker.stops
