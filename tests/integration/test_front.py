@@ -99,15 +99,18 @@ def test_never_ready_times_out(serve: Any) -> None:
     s.wait_log("Failed to start worker")
 
 
-def test_crash_cuts_nothing_else_and_recovers(serve: Any) -> None:
+def test_crash_fails_fast_then_recovers_after_the_backoff(serve: Any) -> None:
     port = free_port()
     s = serve(("crashy", manifest(port, "--crash-after", "3")))
-    statuses = [request(port, "/x")[0] for _ in range(5)]
-    assert statuses[:3] == [200, 200, 200]
-    assert statuses[3] in (502, 503)  # the worker died answering or before
-    s.wait_log("Worker exited unexpectedly")
+    assert [request(port, "/x")[0] for _ in range(3)] == [200, 200, 200]
+    s.wait_log("Worker exited unexpectedly")  # it exits right after the third answer
+    status, headers, body = request(port, "/x")
+    assert status == 503  # within the backoff: refused at once, with the cause
+    assert "status 3" in json.loads(body)["error"]
+    assert int(headers["retry-after"]) >= 1
     time.sleep(1.2)  # the first backoff is 1 s
     assert request(port, "/x")[0] == 200
+    assert s.count("Starting worker") == 2
 
 
 def test_request_timeout_504_worker_keeps_running(serve: Any) -> None:

@@ -109,7 +109,19 @@ def test_idle_releases_front_and_worker_socket_stays(ct: Container, demo: None) 
     )
     assert ct.active(f"provider@{SLUG}.socket") == "active"
     assert ct.listening(PORT)
-    assert ct.sh(LEFTOVERS, check=False).rc == 1, "a demo process outlived its worker unit"
+    left = ct.sh(LEFTOVERS, check=False)
+    if left.rc != 1:
+        pids = left.out.split()
+        detail = ct.sh(
+            "ps -o pid,ppid,pgid,etimes,stat,cmd -p "
+            + ",".join(pids)
+            + "; "
+            + "; ".join(f"echo {p}: $(cat /proc/{p}/cgroup | tr '\\n' ' ')" for p in pids)
+            + f"; systemctl status --no-pager provider-worker@{SLUG} provider@{SLUG}; "
+            + f"journalctl -q --no-pager -n 40 -u provider-worker@{SLUG} -u provider@{SLUG}",
+            check=False,
+        )
+        raise AssertionError(f"a demo process outlived its worker unit:\n{detail.out}{detail.err}")
 
 
 def test_journal_shows_the_lifecycle(ct: Container, demo: None) -> None:
