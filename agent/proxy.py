@@ -567,7 +567,7 @@ class _Http(_Connection):
     ) -> bool:
         """Answer a request ourselves; the connection goes on if its body has been read."""
         close = not (req.keep_alive and self.consumed)
-        if not close and body_end >= 0:
+        if not close and body_end >= 0 and self.buf is not None and self.start < body_end:
             self.start = body_end  # skip the request's body (a pumped body already moved on)
         return await self.answer(
             status, body, close=close, retry_after_s=retry_after_s, head_only=req.method == "HEAD"
@@ -637,17 +637,19 @@ class _Http(_Connection):
         assert self.buf is not None
         view = memoryview(self.buf)
         if body_end >= 0:
-            # The whole request is here: send it at once, watch the client meanwhile.
-            request_start = self.start
+            # The whole request is here: send it at once, watch the client meanwhile. While
+            # the worker works on it (maybe for minutes) the connection holds no buffer.
+            data = bytes(view[self.start : body_end])
+            self.start = body_end
+            self.release_buffer()
             for attempt in (1, 2):
                 up, reused = await self.upstream(address, generation)
                 self.watch_later()
                 try:
                     try:
-                        await self.loop.sock_sendall(up, view[request_start:body_end])
+                        await self.loop.sock_sendall(up, data)
                     except OSError as e:
                         raise _WorkerGone(f"the worker closed the connection ({e})") from None
-                    self.start = body_end
                     return await self.relay_response(req, up, None)
                 except _WorkerGone:
                     # A reused connection the worker closed just now: try a new one, once.
@@ -659,7 +661,6 @@ class _Http(_Connection):
                         and req.method in _IDEMPOTENT
                     ):
                         raise
-                    self.start = request_start
                     self.drop_upstream()
                 finally:
                     self.unwatch()
@@ -747,6 +748,9 @@ class _Http(_Connection):
         goes on."""
         loop = self.loop
         client = self.client
+        # The worker may take minutes to answer (a long generation): wait for its first
+        # bytes without a buffer, so a thousand requests in flight cost little.
+        await _wait_readable(loop, up)
         buf = _take()
         view = memoryview(buf)
         s = e = 0
