@@ -96,6 +96,9 @@ class _Connection:
     async def ready(self) -> tuple[Address, int]:
         return await self.front.ready()
 
+    async def worker_gone(self, generation: int) -> str | None:
+        return await self.front.worker_gone(generation)
+
 
 class Front:
     def __init__(
@@ -129,6 +132,7 @@ class Front:
         self.last_start: dict[str, Any] | None = None
         self.failure: str | None = None
         self.failure_extra: dict[str, object] = {}  # more JSON for the 503 (GPU holders)
+        self.last_exit: tuple[int, str] | None = None  # (generation, why) of the last lost worker
         self.backoff = Backoff()
         self.backoff_until = 0.0
         self.done = asyncio.Event()  # set when the front has released everything and should exit
@@ -242,6 +246,18 @@ class Front:
             if future in self.waiters:
                 self.waiters.remove(future)
         return self.address, self.generation
+
+    async def worker_gone(self, generation: int, wait_s: float = 1.0) -> str | None:
+        """Why worker `generation` went away, once its exit is known (waits up to `wait_s`):
+        a request it dropped is answered with the cause, an OOM kill for instance."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.last_exit is not None and self.last_exit[0] == generation:
+                return self.last_exit[1]
+            if self.generation != generation:
+                return None  # a newer worker runs: this one was released, not lost
+            await asyncio.sleep(0.02)
+        return None
 
     def warm(self) -> None:
         """Start the worker with no request (`providerctl warm`, a plain `systemctl start`)."""
@@ -361,6 +377,7 @@ class Front:
         self._dispatch(Event.STOPPED)
 
     def _worker_exited(self, reason: str) -> None:
+        self.last_exit = (self.generation, reason)
         if self.state == State.READY:
             self.log.error("Worker exited unexpectedly: %s", reason)
             self._spawn(self.admission.released(self))

@@ -107,6 +107,21 @@ class Backend(Protocol):
         ...
 
 
+async def _why_gone(backend: Backend, generation: int) -> str | None:
+    """What the backend knows of why worker `generation` went away (an OOM kill, say).
+
+    Optional: a backend may offer `async worker_gone(generation) -> str | None`, which
+    waits briefly for the worker's exit to be reported."""
+    explain = getattr(backend, "worker_gone", None)
+    if explain is None:
+        return None
+    try:
+        reason = await explain(generation)
+    except Exception:
+        return None
+    return reason if isinstance(reason, str) else None
+
+
 # -- buffers -------------------------------------------------------------------------------
 
 _pools: dict[int, list[bytearray]] = {BUFFER_SIZE: [], BULK_SIZE: []}
@@ -610,8 +625,9 @@ class _Http(_Connection):
             if self.started:
                 log.debug("Failed to relay a response: %s", e)
                 return False
+            why = await _why_gone(self.backend, generation)
             return await self.answer_request(
-                req, body_end, 503, {"error": str(e)}, WORKER_GONE_RETRY_AFTER_S
+                req, body_end, 503, {"error": why or str(e)}, WORKER_GONE_RETRY_AFTER_S
             )
         except HttpError as e:
             self.drop_upstream()

@@ -52,7 +52,9 @@ def test_memory_max_while_serving_oom_kills_and_the_port_stays(
 ) -> None:
     oom = vm["oom_serve"]
     assert oom["first"]["status"] == 200, oom["first"]
-    assert oom["grow"]["status"] != 200, oom["grow"]
+    assert oom["grow"]["status"] == 503, oom["grow"]
+    error = str(json.loads(body(oom["grow"])).get("error", ""))
+    assert re.search(r"oom|memory", error, re.I), f"the error does not name the cause: {error!r}"
     assert oom["worker"]["Result"] == "oom-kill", oom["worker"]
     assert oom["listening"]
     assert oom["after"]["status"] in (200, 503), oom[
