@@ -20,12 +20,10 @@ holds no buffer at all.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import socket
 from collections.abc import Coroutine, Generator, Mapping
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from agent.http import (
     MAX_HEAD,
@@ -40,16 +38,26 @@ from agent.http import (
     skip_empty_lines,
 )
 from agent.model import Address
+from agent.sockio import (
+    BUFFER_SIZE,
+    BULK_SIZE,
+    close_lingering,
+    connect,
+    error_text,
+    give,
+    nodelay,
+    shutdown_write,
+    still_open,
+    take,
+    wait_readable,
+)
 
 log = logging.getLogger(__name__)
 
-BUFFER_SIZE = 64 * 1024  # heads and small bodies; must hold a whole head (MAX_HEAD)
-BULK_SIZE = 256 * 1024  # large bodies and busy tunnels, per direction
-LINGER_S = 2.0  # after answering and closing first, read and drop what the client still sends
 WORKER_GONE_RETRY_AFTER_S = 1.0
 WATCH_AFTER_S = 0.05  # a response slower than this: watch the client for a hang-up meanwhile
-_IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
-_POOL_MAX = 64
+# Methods whose request may be sent again on a new connection when a kept one turns out closed.
+IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 
 assert BUFFER_SIZE >= MAX_HEAD
 
@@ -122,96 +130,29 @@ async def _why_gone(backend: Backend, generation: int) -> str | None:
     return reason if isinstance(reason, str) else None
 
 
-# -- buffers -------------------------------------------------------------------------------
-
-_pools: dict[int, list[bytearray]] = {BUFFER_SIZE: [], BULK_SIZE: []}
-
-
-def _take(size: int = BUFFER_SIZE) -> bytearray:
-    pool = _pools[size]
-    return pool.pop() if pool else bytearray(size)
-
-
-def _give(buf: bytearray) -> None:
-    pool = _pools[len(buf)]
-    if len(pool) < _POOL_MAX:
-        pool.append(buf)
-
-
 # -- errors inside one connection ---------------------------------------------------------
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     """The client closed or reset its connection."""
 
 
-class _WorkerGone(Exception):
-    """The worker closed, reset or refused the connection."""
+class UpstreamGone(Exception):
+    """The upstream (the worker; a provider, for the router) closed, reset or refused the
+    connection."""
 
 
 # -- socket helpers ------------------------------------------------------------------------
 
 
-def _nodelay(sock: socket.socket) -> None:
-    if sock.family in (socket.AF_INET, socket.AF_INET6):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _shutdown_write(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_WR)
-
-
-def _still_open(sock: socket.socket) -> bool:
-    """An idle upstream connection can be reused: no EOF, no error, nothing unexpected to read."""
-    try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    return False
-
-
-async def _wait_readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    fut: asyncio.Future[None] = loop.create_future()
-    fd = sock.fileno()
-
-    def wake() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    loop.add_reader(fd, wake)
-    try:
-        await fut
-    finally:
-        loop.remove_reader(fd)
-
-
 async def _connect(loop: asyncio.AbstractEventLoop, address: Address) -> socket.socket:
-    """Connect to the worker. Raises _WorkerGone if it cannot be reached."""
-    if address.path is not None:
-        family, target = socket.AF_UNIX, address.path
-    else:
-        host = address.host or "127.0.0.1"
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        target = (host, address.port or 0)  # type: ignore[assignment]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setblocking(False)
+    """Connect to the worker. Raises UpstreamGone if it cannot be reached."""
     try:
-        await loop.sock_connect(sock, target)
+        return await connect(loop, address)
     except OSError as e:
-        sock.close()
-        reason = os.strerror(e.errno) if e.errno else str(e)
-        raise _WorkerGone(
-            f"the worker does not accept connections at {address}: {reason}"
+        raise UpstreamGone(
+            f"the worker does not accept connections at {address}: {error_text(e)}"
         ) from None
-    except BaseException:
-        sock.close()
-        raise
-    _nodelay(sock)
-    return sock
 
 
 async def _copy(loop: asyncio.AbstractEventLoop, src: socket.socket, dst: socket.socket) -> None:
@@ -219,25 +160,25 @@ async def _copy(loop: asyncio.AbstractEventLoop, src: socket.socket, dst: socket
     while bytes are on their way."""
     size = BUFFER_SIZE
     while True:
-        buf = _take(size)
+        buf = take(size)
         try:
             n = src.recv_into(buf)
         except BlockingIOError:
-            _give(buf)
-            await _wait_readable(loop, src)
+            give(buf)
+            await wait_readable(loop, src)
             continue
         except BaseException:
-            _give(buf)
+            give(buf)
             raise
         if n == 0:
-            _give(buf)
-            _shutdown_write(dst)
+            give(buf)
+            shutdown_write(dst)
             return
         size = BULK_SIZE if n == len(buf) else BUFFER_SIZE
         try:
             await loop.sock_sendall(dst, memoryview(buf)[:n])
         finally:
-            _give(buf)
+            give(buf)
 
 
 class _Resume:
@@ -284,6 +225,155 @@ async def _relay_both(loop: asyncio.AbstractEventLoop, a: socket.socket, b: sock
         await back
     finally:
         back.cancel()
+
+
+# -- the response relay (the router's too) ----------------------------------------------
+
+
+class ResponseRelay:
+    """Relays one HTTP response from an upstream connection to the client: the interim
+    (1xx) responses, the final head and the body in its framing (Content-Length, chunked,
+    until EOF; after a tunnel's head, only what came with it). Bytes pass through unchanged
+    as they arrive; at most one buffer per response, BUFFER_SIZE, or BULK_SIZE once a
+    read fills it.
+
+    The data path and the router each keep their own request side and decide what a
+    response means for the connection; a subclass sets `loop`, `client` and `started`,
+    names its upstream in `peer` ("worker", "provider"), and may override
+    `interim_response` and `final_head`."""
+
+    peer: ClassVar[str]
+    loop: asyncio.AbstractEventLoop
+    client: socket.socket
+    started: bool  # the final response head went to the client
+
+    async def interim_response(self, resp: ResponseHead, head: memoryview) -> None:
+        """An interim (1xx) response: passed on unless a subclass decides otherwise."""
+        await self.send_client(head)
+
+    def final_head(self, resp: ResponseHead) -> None:
+        """The final head, before any of it is sent: a subclass may refuse it by raising."""
+
+    async def relay_message(self, up: socket.socket, method: str) -> tuple[ResponseHead, bool]:
+        """Relay interim responses and the final one to the client (`started` is set once
+        its head is about to go). Returns the final head and whether the upstream
+        connection can serve another request. Raises UpstreamGone, ClientGone, HttpError
+        (502: the upstream broke HTTP)."""
+        # The upstream may take minutes to answer (a long generation): wait for its first
+        # bytes without a buffer, so a thousand requests in flight cost little.
+        await wait_readable(self.loop, up)
+        buf = take()
+        view = memoryview(buf)
+        s = e = 0
+        try:
+            while True:
+                head_end = find_head_end(buf, s, e) if e > s else -1
+                if head_end < 0:
+                    if e - s >= MAX_HEAD:
+                        raise HttpError(
+                            502, f"the {self.peer} sent a head larger than {MAX_HEAD} bytes"
+                        )
+                    if e == len(buf):
+                        buf[: e - s] = buf[s:e]
+                        s, e = 0, e - s
+                    n = await self.recv_up(up, view[e:])
+                    if n == 0:
+                        raise UpstreamGone(
+                            f"the {self.peer} closed the connection before answering"
+                        )
+                    e += n
+                    continue
+                resp = parse_response_head(buf, method, s, head_end)
+                if resp.status >= 200 or resp.body == "tunnel":
+                    break
+                await self.interim_response(resp, view[s:head_end])
+                s = head_end
+            self.final_head(resp)
+            self.started = True
+            return resp, await self.relay_body(resp, up, buf, s, head_end, e)
+        finally:
+            give(buf)
+
+    async def recv_up(self, up: socket.socket, into: memoryview) -> int:
+        """Read from the upstream into `into`; 0 at its EOF. Raises UpstreamGone."""
+        try:
+            return await self.loop.sock_recv_into(up, into)
+        except OSError as e:
+            raise UpstreamGone(f"the {self.peer} connection failed ({e.strerror or e})") from None
+
+    async def send_client(self, data: bytes | memoryview) -> None:
+        """Send all of `data` to the client. Raises ClientGone."""
+        try:
+            await self.loop.sock_sendall(self.client, data)
+        except OSError as e:
+            raise ClientGone(f"client connection failed: {e.strerror or e}") from None
+
+    async def relay_body(
+        self, resp: ResponseHead, up: socket.socket, buf: bytearray, s: int, head_end: int, e: int
+    ) -> bool:
+        """Send the response head and body in buf[s:e] and what follows from the upstream.
+        Returns whether the upstream connection can serve another request."""
+        view = memoryview(buf)
+        if resp.body in ("none", "tunnel"):
+            await self.send_client(view[s : e if resp.body == "tunnel" else head_end])
+            return e == head_end
+        if resp.body == "length":
+            remaining = resp.length
+            first = min(e - head_end, remaining)
+            remaining -= first
+            await self.send_client(view[s : head_end + first])
+            if remaining > len(buf):
+                big = take(BULK_SIZE)
+                try:
+                    await self.relay_length(up, big, remaining)
+                finally:
+                    give(big)
+            elif remaining:
+                await self.relay_length(up, buf, remaining)
+            return e == head_end + first
+        chunked = ChunkedScanner() if resp.body == "chunked" else None
+        try:
+            at = chunked.scan(buf, head_end, e) if chunked is not None else -1
+            await self.send_client(view[s : at if at >= 0 else e])
+            if at >= 0:
+                return at == e
+            bulk: bytearray | None = None
+            try:
+                while True:
+                    n = await self.recv_up(up, view)
+                    if n == 0:
+                        if chunked is None:  # close-delimited: the upstream's EOF ends it
+                            return False
+                        raise UpstreamGone(
+                            f"the {self.peer} closed the connection in the middle of a response"
+                        )
+                    at = chunked.scan(bulk or buf, 0, n) if chunked is not None else -1
+                    await self.send_client(view[: at if at >= 0 else n])
+                    if at >= 0:
+                        return at == n
+                    if n == len(view) and bulk is None:  # a full buffer: switch to bulk
+                        bulk = take(BULK_SIZE)
+                        view = memoryview(bulk)
+            finally:
+                if bulk is not None:
+                    give(bulk)
+        except HttpError as err:
+            raise HttpError(
+                502, f"the {self.peer} sent a malformed chunked body: {err.reason}"
+            ) from None
+
+    async def relay_length(self, up: socket.socket, buf: bytearray, remaining: int) -> None:
+        """Pass `remaining` bytes of a Content-Length body on through `buf`."""
+        view = memoryview(buf)
+        size = len(buf)
+        while remaining:
+            n = await self.recv_up(up, view[: min(size, remaining)])
+            if n == 0:
+                raise UpstreamGone(
+                    f"the {self.peer} closed the connection in the middle of a response"
+                )
+            remaining -= n
+            await self.send_client(view[:n])
 
 
 # -- one client connection -----------------------------------------------------------------
@@ -333,16 +423,16 @@ class _Connection:
             return
         except OSError as e:
             self.unwatch()
-            self.abort(_ClientGone(f"client connection failed: {e.strerror or e}"))
+            self.abort(ClientGone(f"client connection failed: {e.strerror or e}"))
             return
         self.unwatch()
         if data:
             return
         self.client_eof = True
         if self._waiting:
-            self.abort(_ClientGone("client closed the connection while waiting for the worker"))
+            self.abort(ClientGone("client closed the connection while waiting for the worker"))
         elif self.up is not None:
-            _shutdown_write(self.up)  # pass the half-close on; the response still flows back
+            shutdown_write(self.up)  # pass the half-close on; the response still flows back
 
     def abort(self, exc: BaseException) -> None:
         """Stop what the connection's task awaits; `aborted()` turns the cancellation into exc."""
@@ -359,7 +449,7 @@ class _Connection:
         return None
 
     async def ready(self) -> tuple[Address, int]:
-        """backend.ready(); while it waits, a client that goes away raises _ClientGone."""
+        """backend.ready(); while it waits, a client that goes away raises ClientGone."""
         coro = self.backend.ready()
         try:
             first = coro.send(None)
@@ -397,7 +487,7 @@ class _Connection:
         """A connection to the worker: the previous one if still good, else a new one."""
         up = self.up
         if up is not None:
-            if generation == self.up_generation and _still_open(up):
+            if generation == self.up_generation and still_open(up):
                 return up, True
             self.drop_upstream()
         up = await _connect(self.loop, address)
@@ -412,22 +502,12 @@ class _Connection:
     async def close(self) -> None:
         self.unwatch()
         self.drop_upstream()
-        client = self.client
-        try:
-            if self.linger and not self.client_eof:
-                # Closing with unread input makes the kernel send a reset that can destroy our
-                # answer before the client reads it: shut down writing, drain, then close.
-                _shutdown_write(client)
-                with contextlib.suppress(OSError, TimeoutError):
-                    async with asyncio.timeout(LINGER_S):
-                        buf = bytearray(4096)
-                        while await self.loop.sock_recv_into(client, buf):
-                            pass
-        finally:
-            client.close()
+        await close_lingering(self.loop, self.client, self.linger and not self.client_eof)
 
 
-class _Http(_Connection):
+class _Http(_Connection, ResponseRelay):
+    peer = "worker"
+
     def __init__(self, client: socket.socket, backend: Backend) -> None:
         super().__init__(client, backend)
         self.buf: bytearray | None = None  # client bytes read and not yet forwarded
@@ -444,12 +524,12 @@ class _Http(_Connection):
         # start may hold a thousand of them.
         if self.buf is not None:
             self._parked = bytes(self.buf[self.start : self.end])
-            _give(self.buf)
+            give(self.buf)
             self.buf = None
 
     def unpark(self) -> None:
         if self.buf is None and self._parked is not None:
-            self.buf = _take()
+            self.buf = take()
             self.buf[self.start : self.end] = self._parked  # same offsets as before
             self._parked = None
 
@@ -471,7 +551,7 @@ class _Http(_Connection):
 
     def release_buffer(self) -> None:
         if self.buf is not None and self.start == self.end:
-            _give(self.buf)
+            give(self.buf)
             self.buf = None
             self.start = self.end = 0
 
@@ -500,12 +580,12 @@ class _Http(_Connection):
             if self.client_eof:
                 return -1
             if buf is None:
-                buf = self.buf = _take()
+                buf = self.buf = take()
             try:
                 n = self.client.recv_into(memoryview(buf)[self.end :])
             except BlockingIOError:
                 self.release_buffer()  # an idle connection holds no buffer
-                await _wait_readable(self.loop, self.client)
+                await wait_readable(self.loop, self.client)
                 continue
             except OSError:
                 self.client_eof = True
@@ -600,7 +680,7 @@ class _Http(_Connection):
             address, generation = await self.ready()
         except Unavailable as e:
             return await self.unavailable(req, e, body_end)
-        except _ClientGone:
+        except ClientGone:
             return False
         timeout_s = self.backend.request_timeout_s
         try:
@@ -620,7 +700,7 @@ class _Http(_Connection):
             return await self.answer_request(
                 req, body_end, 504, {"error": f"request timed out after {timeout_s:g} s"}
             )
-        except _WorkerGone as e:
+        except UpstreamGone as e:
             self.drop_upstream()
             if self.started:
                 log.debug("Failed to relay a response: %s", e)
@@ -637,7 +717,7 @@ class _Http(_Connection):
             return await self.answer(
                 e.status, {"error": e.reason}, close=True, head_only=req.method == "HEAD"
             )
-        except _ClientGone:
+        except ClientGone:
             self.drop_upstream()
             return False
 
@@ -665,16 +745,16 @@ class _Http(_Connection):
                     try:
                         await self.loop.sock_sendall(up, data)
                     except OSError as e:
-                        raise _WorkerGone(f"the worker closed the connection ({e})") from None
+                        raise UpstreamGone(f"the worker closed the connection ({e})") from None
                     return await self.relay_response(req, up, None)
-                except _WorkerGone:
+                except UpstreamGone:
                     # A reused connection the worker closed just now: try a new one, once.
                     if not (
                         reused
                         and attempt == 1
                         and not self.started
                         and not self.interim
-                        and req.method in _IDEMPOTENT
+                        and req.method in IDEMPOTENT
                     ):
                         raise
                     self.drop_upstream()
@@ -687,7 +767,7 @@ class _Http(_Connection):
         try:
             await self.loop.sock_sendall(up, view[self.start : self.end])
         except OSError as e:
-            raise _WorkerGone(f"the worker closed the connection ({e})") from None
+            raise UpstreamGone(f"the worker closed the connection ({e})") from None
         pump = asyncio.create_task(self.pump_body(req, up, head_end, scanner))
         pump.add_done_callback(_retrieve)
         response = asyncio.create_task(self.relay_response(req, up, pump))
@@ -697,7 +777,7 @@ class _Http(_Connection):
             if pump in done and response not in done:
                 exc = pump.exception()
                 # A worker that stops reading the body may still answer (413, 401 ...).
-                if exc is not None and not isinstance(exc, _WorkerGone):
+                if exc is not None and not isinstance(exc, UpstreamGone):
                     raise exc
             return await response
         finally:
@@ -715,12 +795,12 @@ class _Http(_Connection):
         self.start = self.end = 0
         # A long Content-Length body takes a bulk buffer: nothing of the next request can
         # follow it there, since the pump never reads past the body's end.
-        bulk = _take(BULK_SIZE) if scanner is None and remaining > len(self.buf) else None
+        bulk = take(BULK_SIZE) if scanner is None and remaining > len(self.buf) else None
         try:
             await self._pump(up, bulk or self.buf, remaining, scanner)
         finally:
             if bulk is not None:
-                _give(bulk)
+                give(bulk)
 
     async def _pump(
         self, up: socket.socket, buf: bytearray, remaining: int, scanner: ChunkedScanner | None
@@ -732,10 +812,10 @@ class _Http(_Connection):
             try:
                 n = await loop.sock_recv_into(self.client, view[:limit])
             except OSError as e:
-                raise _ClientGone(f"client connection failed: {e.strerror or e}") from None
+                raise ClientGone(f"client connection failed: {e.strerror or e}") from None
             if n == 0:
                 self.client_eof = True
-                raise _ClientGone("client closed the connection in the middle of a request body")
+                raise ClientGone("client closed the connection in the middle of a request body")
             last = n
             if scanner is not None:
                 at = scanner.scan(buf, 0, n)
@@ -746,7 +826,7 @@ class _Http(_Connection):
             try:
                 await loop.sock_sendall(up, view[:last])
             except OSError as e:
-                raise _WorkerGone(f"the worker closed the connection ({e})") from None
+                raise UpstreamGone(f"the worker closed the connection ({e})") from None
             if scanner is None and remaining == 0:
                 self.consumed = True
                 return
@@ -757,43 +837,17 @@ class _Http(_Connection):
 
     # -- the response
 
+    async def interim_response(self, resp: ResponseHead, head: memoryview) -> None:
+        await self.send_client(head)
+        self.interim = True
+
     async def relay_response(
         self, req: RequestHead, up: socket.socket, pump: asyncio.Task[None] | None
     ) -> bool:
         """Relay interim responses and the final one. Returns whether the client connection
         goes on."""
         loop = self.loop
-        client = self.client
-        # The worker may take minutes to answer (a long generation): wait for its first
-        # bytes without a buffer, so a thousand requests in flight cost little.
-        await _wait_readable(loop, up)
-        buf = _take()
-        view = memoryview(buf)
-        s = e = 0
-        try:
-            while True:
-                head_end = find_head_end(buf, s, e) if e > s else -1
-                if head_end < 0:
-                    if e - s >= MAX_HEAD:
-                        raise HttpError(502, f"the worker sent a head larger than {MAX_HEAD} bytes")
-                    if e == len(buf):
-                        buf[: e - s] = buf[s:e]
-                        s, e = 0, e - s
-                    n = await self.recv_up(up, view[e:])
-                    if n == 0:
-                        raise _WorkerGone("the worker closed the connection before answering")
-                    e += n
-                    continue
-                resp = parse_response_head(buf, req.method, s, head_end)
-                if resp.status >= 200 or resp.body == "tunnel":
-                    break
-                await self.send_client(view[s:head_end])  # interim (1xx) response
-                self.interim = True
-                s = head_end
-            self.started = True
-            reusable = await self.relay_body(resp, up, buf, s, head_end, e)
-        finally:
-            _give(buf)
+        resp, reusable = await self.relay_message(up, req.method)
         if resp.body == "tunnel":
             if self.deadline is not None:
                 self.deadline.reschedule(None)  # a tunnel lives as long as its peers want
@@ -805,7 +859,7 @@ class _Http(_Connection):
                 self.start = self.end
             self.release_buffer()
             self.unwatch()
-            await _relay_both(loop, client, up)
+            await _relay_both(loop, self.client, up)
             self.client_eof = True
             return False
         if pump is not None and pump.done() and not pump.cancelled():
@@ -824,88 +878,12 @@ class _Http(_Connection):
             self.linger = True
         return keep
 
-    async def recv_up(self, up: socket.socket, into: memoryview) -> int:
-        try:
-            return await self.loop.sock_recv_into(up, into)
-        except OSError as e:
-            raise _WorkerGone(f"the worker connection failed ({e.strerror or e})") from None
-
-    async def send_client(self, data: memoryview) -> None:
-        try:
-            await self.loop.sock_sendall(self.client, data)
-        except OSError as e:
-            raise _ClientGone(f"client connection failed: {e.strerror or e}") from None
-
-    async def relay_body(
-        self, resp: ResponseHead, up: socket.socket, buf: bytearray, s: int, head_end: int, e: int
-    ) -> bool:
-        """Send the response head and body in buf[s:e] and what follows from the worker.
-        Returns whether the worker connection can serve another request."""
-        view = memoryview(buf)
-        if resp.body in ("none", "tunnel"):
-            await self.send_client(view[s : e if resp.body == "tunnel" else head_end])
-            return e == head_end
-        if resp.body == "length":
-            remaining = resp.length
-            first = min(e - head_end, remaining)
-            remaining -= first
-            await self.send_client(view[s : head_end + first])
-            if remaining > len(buf):
-                big = _take(BULK_SIZE)
-                try:
-                    await self.relay_length(up, big, remaining)
-                finally:
-                    _give(big)
-            elif remaining:
-                await self.relay_length(up, buf, remaining)
-            return e == head_end + first
-        chunked = ChunkedScanner() if resp.body == "chunked" else None
-        try:
-            at = chunked.scan(buf, head_end, e) if chunked is not None else -1
-            await self.send_client(view[s : at if at >= 0 else e])
-            if at >= 0:
-                return at == e
-            bulk: bytearray | None = None
-            try:
-                while True:
-                    n = await self.recv_up(up, view)
-                    if n == 0:
-                        if chunked is None:  # close-delimited: the worker's EOF ends it
-                            return False
-                        raise _WorkerGone(
-                            "the worker closed the connection in the middle of a response"
-                        )
-                    at = chunked.scan(bulk or buf, 0, n) if chunked is not None else -1
-                    await self.send_client(view[: at if at >= 0 else n])
-                    if at >= 0:
-                        return at == n
-                    if n == len(view) and bulk is None:  # a full buffer: switch to bulk
-                        bulk = _take(BULK_SIZE)
-                        view = memoryview(bulk)
-            finally:
-                if bulk is not None:
-                    _give(bulk)
-        except HttpError as err:
-            raise HttpError(
-                502, f"the worker sent a malformed chunked body: {err.reason}"
-            ) from None
-
-    async def relay_length(self, up: socket.socket, buf: bytearray, remaining: int) -> None:
-        view = memoryview(buf)
-        size = len(buf)
-        while remaining:
-            n = await self.recv_up(up, view[: min(size, remaining)])
-            if n == 0:
-                raise _WorkerGone("the worker closed the connection in the middle of a response")
-            remaining -= n
-            await self.send_client(view[:n])
-
 
 async def serve_http(client: socket.socket, backend: Backend) -> None:
     """Serve one accepted HTTP client connection until it ends. Never raises (except
     CancelledError when the task is cancelled); always closes `client` and releases leases."""
     client.setblocking(False)
-    _nodelay(client)
+    nodelay(client)
     conn = _Http(client, backend)
     try:
         await conn.run()
@@ -917,7 +895,7 @@ async def serve_http(client: socket.socket, backend: Backend) -> None:
         log.debug("Failed to relay an HTTP connection: %s", e, exc_info=True)
     finally:
         if conn.buf is not None:
-            _give(conn.buf)
+            give(conn.buf)
             conn.buf = None
         await conn.close()
 
@@ -926,7 +904,7 @@ async def serve_tcp(client: socket.socket, backend: Backend) -> None:
     """Relay one accepted TCP client connection to the worker; the connection is one lease.
     Never raises (except CancelledError when the task is cancelled); always closes `client`."""
     client.setblocking(False)
-    _nodelay(client)
+    nodelay(client)
     conn = _Connection(client, backend)
     lease: Lease | None = None
     try:

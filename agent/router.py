@@ -50,25 +50,31 @@ from agent.http import (
     error_response,
     find_head_end,
     parse_request_head,
-    parse_response_head,
     skip_empty_lines,
 )
 from agent.listeners import Listeners
 from agent.model import Address, Provider
+from agent.proxy import IDEMPOTENT, ClientGone, ResponseRelay, UpstreamGone
+from agent.sockio import (
+    BUFFER_SIZE,
+    close_lingering,
+    connect,
+    error_text,
+    give,
+    still_open,
+    take,
+    wait_readable,
+)
 
 log = logging.getLogger("providerd.router")
 
 MODELS_PATH = "/v1/models"
-BUFFER_SIZE = 64 * 1024  # a client's or a response's buffer while bytes move; grows for bodies
 FIRST_REQUEST_GRACE_S = 5.0  # a new connection counts as busy until its first request, this long
 STOP_GRACE_S = 30.0  # on SIGTERM, requests in flight get this long to finish
-LINGER_S = 2.0  # after answering and closing first, read and drop what the client still sends
 NAME_SHOWN_MAX = 120  # characters of a requested name shown in logs and messages
 CACHE_MAX = 4096  # pattern lookups remembered
 CACHE_NAME_MAX = 256  # longer names are matched every time, not remembered
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
-_POOL_MAX = 64
 
 assert BUFFER_SIZE >= MAX_HEAD
 
@@ -225,67 +231,15 @@ def model_of(body: bytes | bytearray) -> str:
     return model
 
 
-# ============================================================================ buffers and sockets
-
-_pool: list[bytearray] = []
-
-
-def _take() -> bytearray:
-    return _pool.pop() if _pool else bytearray(BUFFER_SIZE)
-
-
-def _give(buf: bytearray) -> None:
-    if len(buf) == BUFFER_SIZE and len(_pool) < _POOL_MAX:
-        _pool.append(buf)
-
-
-def _nodelay(sock: socket.socket) -> None:
-    if sock.family in (socket.AF_INET, socket.AF_INET6):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _still_open(sock: socket.socket) -> bool:
-    """An idle provider connection can be reused: no EOF, no error, nothing to read."""
-    try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    return False
-
-
-async def _wait_readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    fut: asyncio.Future[None] = loop.create_future()
-    fd = sock.fileno()
-
-    def wake() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    loop.add_reader(fd, wake)
-    try:
-        await fut
-    finally:
-        loop.remove_reader(fd)
-
-
-class _ClientGone(Exception):
-    pass
-
-
-class _ProviderGone(Exception):
-    pass
-
-
 # ============================================================================ one client connection
 
 
-class _Client:
-    def __init__(self, router: Router, sock: socket.socket) -> None:
+class _Client(ResponseRelay):
+    peer = "provider"
+
+    def __init__(self, router: Router, client: socket.socket) -> None:
         self.router = router
-        self.sock = sock
+        self.client = client
         self.loop = asyncio.get_running_loop()
         self.task: asyncio.Task[None]  # set by the router as it starts serving the connection
         self.buf: bytearray | None = None  # what the client sent and was not yet forwarded
@@ -344,14 +298,14 @@ class _Client:
             if self.eof:
                 return -1
             if buf is None:
-                buf = self.buf = _take()
+                buf = self.buf = take()
             try:
-                n = self.sock.recv_into(memoryview(buf)[self.end :])
+                n = self.client.recv_into(memoryview(buf)[self.end :])
             except BlockingIOError:
                 if self.start == self.end:  # an idle connection holds no buffer
-                    _give(buf)
+                    give(buf)
                     self.buf = None
-                await _wait_readable(self.loop, self.sock)
+                await wait_readable(self.loop, self.client)
                 continue
             except OSError:
                 self.eof = True
@@ -362,15 +316,15 @@ class _Client:
             self.end += n
 
     async def recv_client(self) -> None:
-        """Read more of the request into buf[end:], which has room. Raises _ClientGone."""
+        """Read more of the request into buf[end:], which has room. Raises ClientGone."""
         assert self.buf is not None
         try:
-            n = await self.loop.sock_recv_into(self.sock, memoryview(self.buf)[self.end :])
+            n = await self.loop.sock_recv_into(self.client, memoryview(self.buf)[self.end :])
         except OSError as e:
-            raise _ClientGone(f"client connection failed: {e.strerror or e}") from None
+            raise ClientGone(f"client connection failed: {e.strerror or e}") from None
         if n == 0:
             self.eof = True
-            raise _ClientGone("client closed the connection in the middle of a request body")
+            raise ClientGone("client closed the connection in the middle of a request body")
         self.end += n
 
     def room(self, need: int) -> None:
@@ -385,13 +339,13 @@ class _Client:
         else:
             grown = bytearray(max(need, 2 * len(buf)))
             grown[:pending] = buf[self.start : self.end]
-            _give(buf)
+            give(buf)
             self.buf = grown
         self.start, self.end = 0, pending
 
     async def read_body(self, req: RequestHead, head_end: int) -> int:
         """Read the whole body; returns where it ends in buf (head_end may move: it is kept
-        relative to `start`). Raises Refusal(413), HttpError, _ClientGone."""
+        relative to `start`). Raises Refusal(413), HttpError, ClientGone."""
         assert self.buf is not None
         max_body = self.router.config.max_body
         head_len = head_end - self.start
@@ -462,7 +416,7 @@ class _Client:
             return await self.refuse(req, r, close=True)
         except HttpError as e:
             return await self.refuse(req, Refusal(e.status, e.reason, "invalid_request"), True)
-        except _ClientGone:
+        except ClientGone:
             return False
         head_end = self.start + head_len
         try:
@@ -527,7 +481,7 @@ class _Client:
         if close:
             self.linger = True
         try:
-            await self.loop.sock_sendall(self.sock, data)
+            await self.loop.sock_sendall(self.client, data)
         except OSError:
             return False
         return not close
@@ -537,34 +491,20 @@ class _Client:
     async def upstream(self, provider: Provider) -> tuple[socket.socket, bool]:
         """A connection to the provider: the previous one if still good, else a new one."""
         if self.up is not None:
-            if self.up_slug == provider.slug and _still_open(self.up):
+            if self.up_slug == provider.slug and still_open(self.up):
                 return self.up, True
             self.drop_upstream()
         address = target_address(provider.addresses[0])
-        if address.path is not None:
-            family, target = socket.AF_UNIX, address.path
-        else:
-            host = address.host or "127.0.0.1"
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            target = (host, address.port or 0)  # type: ignore[assignment]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setblocking(False)
         try:
-            await self.loop.sock_connect(sock, target)
+            sock = await connect(self.loop, address)
         except OSError as e:
-            sock.close()
-            reason = os.strerror(e.errno) if e.errno else str(e)
             raise Refusal(
                 503,
-                f'Failed to reach provider "{provider.slug}" at {address}: {reason}'
+                f'Failed to reach provider "{provider.slug}" at {address}: {error_text(e)}'
                 + self.router.unreachable_hint(provider),
                 "provider_unavailable",
                 "server_error",
             ) from None
-        except BaseException:
-            sock.close()
-            raise
-        _nodelay(sock)
         self.up, self.up_slug = sock, provider.slug
         return sock, False
 
@@ -585,14 +525,14 @@ class _Client:
                     try:
                         await self.loop.sock_sendall(up, data)
                     except OSError as e:
-                        raise _ProviderGone(f"the provider closed the connection ({e})") from None
+                        raise UpstreamGone(f"the provider closed the connection ({e})") from None
                     self.start = body_end
                     return await self.relay(req, up)
-                except _ProviderGone:
+                except UpstreamGone:
                     # A kept connection the provider closed just now: try a new one, once.
                     if not (reused and attempt == 1 and not self.started):
                         raise
-                    if req.method not in _IDEMPOTENT and self.start == body_end:
+                    if req.method not in IDEMPOTENT and self.start == body_end:
                         raise  # the provider may have received the request: do not repeat it
                     self.start = request_start
                     self.drop_upstream()
@@ -608,7 +548,7 @@ class _Client:
         except Refusal as r:
             self.start = body_end
             return await self.refuse(req, r, close=not req.keep_alive)
-        except (_ProviderGone, HttpError) as e:
+        except (UpstreamGone, HttpError) as e:
             self.drop_upstream()
             reason = e.reason if isinstance(e, HttpError) else str(e)
             if self.started:
@@ -622,7 +562,7 @@ class _Client:
                 "server_error",
             )
             return await self.refuse(req, refusal, close=True)
-        except _ClientGone:
+        except ClientGone:
             self.drop_upstream()
             return False
 
@@ -631,17 +571,17 @@ class _Client:
 
     def watch(self) -> None:
         if not self._watching and not self.eof:
-            self.loop.add_reader(self.sock.fileno(), self._client_readable)
+            self.loop.add_reader(self.client.fileno(), self._client_readable)
             self._watching = True
 
     def unwatch(self) -> None:
         if self._watching:
-            self.loop.remove_reader(self.sock.fileno())
+            self.loop.remove_reader(self.client.fileno())
             self._watching = False
 
     def _client_readable(self) -> None:
         try:
-            data = self.sock.recv(1, socket.MSG_PEEK)
+            data = self.client.recv(1, socket.MSG_PEEK)
         except BlockingIOError:
             return
         except OSError:
@@ -654,50 +594,18 @@ class _Client:
             self.gone = True
             self.task.cancel()
 
-    async def send_client(self, data: bytes | memoryview) -> None:
-        try:
-            await self.loop.sock_sendall(self.sock, data)
-        except OSError as e:
-            raise _ClientGone(f"client connection failed: {e.strerror or e}") from None
+    async def interim_response(self, resp: ResponseHead, head: memoryview) -> None:
+        if not (resp.status == 100 and self.continued):
+            await self.send_client(head)
 
-    async def recv_up(self, up: socket.socket, into: memoryview) -> int:
-        try:
-            return await self.loop.sock_recv_into(up, into)
-        except OSError as e:
-            raise _ProviderGone(f"the provider connection failed ({e.strerror or e})") from None
+    def final_head(self, resp: ResponseHead) -> None:
+        if resp.body == "tunnel":
+            raise HttpError(502, "the provider switched protocols, which is not routed")
 
     async def relay(self, req: RequestHead, up: socket.socket) -> bool:
         """Relay the provider's interim responses and its final one. Returns whether the
         client connection goes on."""
-        buf = _take()
-        view = memoryview(buf)
-        s = e = 0
-        try:
-            while True:
-                head_end = find_head_end(buf, s, e) if e > s else -1
-                if head_end < 0:
-                    if e - s >= MAX_HEAD:
-                        raise HttpError(502, f"a response head larger than {MAX_HEAD} bytes")
-                    if e == len(buf):
-                        buf[: e - s] = buf[s:e]
-                        s, e = 0, e - s
-                    n = await self.recv_up(up, view[e:])
-                    if n == 0:
-                        raise _ProviderGone("the provider closed the connection before answering")
-                    e += n
-                    continue
-                resp = parse_response_head(view[s:head_end], req.method)
-                if resp.body == "tunnel":
-                    raise HttpError(502, "the provider switched protocols, which is not routed")
-                if resp.status >= 200:
-                    break
-                if not (resp.status == 100 and self.continued):
-                    await self.send_client(view[s:head_end])  # interim (1xx) response
-                s = head_end
-            self.started = True
-            reusable = await self.relay_body(resp, up, buf, s, head_end, e)
-        finally:
-            _give(buf)
+        resp, reusable = await self.relay_message(up, req.method)
         if not reusable or not resp.keep_alive:
             self.drop_upstream()
         keep = req.keep_alive and resp.keep_alive and resp.body != "close" and not self.eof
@@ -705,74 +613,13 @@ class _Client:
             self.linger = True
         return keep
 
-    async def relay_body(
-        self, resp: ResponseHead, up: socket.socket, buf: bytearray, s: int, head_end: int, e: int
-    ) -> bool:
-        """Send the response head and body in buf[s:e] and what follows from the provider.
-        Returns whether the provider connection can serve another request."""
-        view = memoryview(buf)
-        size = len(buf)
-        if resp.body == "none":
-            await self.send_client(view[s:head_end])
-            return e == head_end
-        if resp.body == "length":
-            remaining = resp.length
-            first = min(e - head_end, remaining)
-            remaining -= first
-            await self.send_client(view[s : head_end + first])
-            extra = e > head_end + first
-            while remaining:
-                n = await self.recv_up(up, view[: min(size, remaining)])
-                if n == 0:
-                    raise _ProviderGone("the provider closed the connection mid-response")
-                remaining -= n
-                await self.send_client(view[:n])
-            return not extra
-        if resp.body == "chunked":
-            scanner = ChunkedScanner()
-            try:
-                at = scanner.scan(buf, head_end, e)
-                await self.send_client(view[s : at if at >= 0 else e])
-                if at >= 0:
-                    return at == e
-                while True:
-                    n = await self.recv_up(up, view)
-                    if n == 0:
-                        raise _ProviderGone("the provider closed the connection mid-response")
-                    at = scanner.scan(buf, 0, n)
-                    await self.send_client(view[: at if at >= 0 else n])
-                    if at >= 0:
-                        return at == n
-            except HttpError as err:
-                raise HttpError(502, f"a malformed chunked response: {err.reason}") from None
-        # Close-delimited: everything until the provider's EOF.
-        await self.send_client(view[s:e])
-        while True:
-            n = await self.recv_up(up, view)
-            if n == 0:
-                return False
-            await self.send_client(view[:n])
-
     async def close(self) -> None:
         self.unwatch()
         self.drop_upstream()
         if self.buf is not None:
-            _give(self.buf)
+            give(self.buf)
             self.buf = None
-        sock = self.sock
-        try:
-            if self.linger and not self.eof:
-                # Closing with unread input would reset the connection and could destroy
-                # the answer before the client reads it: shut down writing, drain, close.
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_WR)
-                with contextlib.suppress(OSError, TimeoutError):
-                    async with asyncio.timeout(LINGER_S):
-                        drain = bytearray(4096)
-                        while await self.loop.sock_recv_into(sock, drain):
-                            pass
-        finally:
-            sock.close()
+        await close_lingering(self.loop, self.client, self.linger and not self.eof)
 
 
 # ============================================================================ the router

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from agent import proxy
+from agent import sockio
 from agent.model import Address
 from agent.proxy import Unavailable, serve_http, serve_tcp
 
@@ -1031,7 +1031,7 @@ def test_tcp_unavailable_closes_and_gone_client_releases() -> None:
 def test_idle_connections_hold_no_buffer() -> None:
     async def test() -> None:
         async with Setup(echo_worker) as (_, _, px):
-            proxy._pools[proxy.BUFFER_SIZE].clear()
+            sockio.pools[sockio.BUFFER_SIZE].clear()
             clients = [await px.connect() for _ in range(20)]
             for client in clients:
                 await client.send(b"GET / HTTP/1.1\r\n\r\n")
@@ -1039,7 +1039,7 @@ def test_idle_connections_hold_no_buffer() -> None:
             await asyncio.sleep(0.05)
             # Every buffer went back to the pool: had the idle connections kept theirs, the
             # emptied pool would have nothing in it now.
-            assert proxy._pools[proxy.BUFFER_SIZE]
+            assert sockio.pools[sockio.BUFFER_SIZE]
             for client in clients:
                 client.close()
             await px.settle()
@@ -1126,7 +1126,7 @@ def test_held_requests_give_their_buffers_back_while_they_wait() -> None:
     async def test() -> None:
         async with Setup(echo_worker) as (_, backend, px):
             backend.gate.clear()
-            proxy._pools[proxy.BUFFER_SIZE].clear()
+            sockio.pools[sockio.BUFFER_SIZE].clear()
             clients = [await px.connect() for _ in range(20)]
             for i, client in enumerate(clients):
                 await client.send(
@@ -1137,7 +1137,7 @@ def test_held_requests_give_their_buffers_back_while_they_wait() -> None:
                 while backend.waiting < 20:
                     await asyncio.sleep(0.005)
             # Had any held connection kept its buffer, the emptied pool would still be empty.
-            assert proxy._pools[proxy.BUFFER_SIZE]
+            assert sockio.pools[sockio.BUFFER_SIZE]
             backend.gate.set()
             for i, client in enumerate(clients):
                 assert (await client.response())[2] == b"POST /p%d body%d" % (i, i % 10)
@@ -1163,7 +1163,7 @@ def test_requests_in_flight_hold_no_buffer_while_the_worker_works() -> None:
 
     async def test() -> None:
         async with Setup(slow) as (_, backend, px):
-            proxy._pools[proxy.BUFFER_SIZE].clear()
+            sockio.pools[sockio.BUFFER_SIZE].clear()
             clients = [await px.connect() for _ in range(20)]
             for i, client in enumerate(clients):
                 await client.send(b"POST / HTTP/1.1\r\nContent-Length: 3\r\n\r\nr%02d" % i)
@@ -1172,7 +1172,7 @@ def test_requests_in_flight_hold_no_buffer_while_the_worker_works() -> None:
                     await asyncio.sleep(0.005)
             assert backend.active == 20
             # Had any request in flight kept a buffer, the emptied pool would be empty.
-            assert proxy._pools[proxy.BUFFER_SIZE]
+            assert sockio.pools[sockio.BUFFER_SIZE]
             go.set()
             for i, client in enumerate(clients):
                 assert (await client.response())[2] == b"r%02d" % i
