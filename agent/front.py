@@ -520,8 +520,10 @@ def _describe_failure(e: BaseException, timeout_s: float) -> tuple[str, list[str
 # ---------------------------------------------------------------------------- systemd entry
 
 
-def inherited_listeners() -> list[socket.socket]:
-    """The listening sockets systemd passed us, checked to be listening stream sockets."""
+def inherited_listeners(socket_unit: str = "provider@SLUG.socket") -> list[socket.socket]:
+    """The listening sockets systemd passed us, checked to be listening stream sockets.
+    Exits (SystemExit) if there are none or one is something else; `socket_unit` is what
+    to start instead of the service (the front's, the router's)."""
     from systemd import daemon
 
     fds = daemon.listen_fds_with_names(unset_environment=True)
@@ -533,9 +535,7 @@ def inherited_listeners() -> list[socket.socket]:
             )
         listeners.append(socket.socket(fileno=fd))
     if not listeners:
-        raise SystemExit(
-            "No listening socket received; start provider@SLUG.socket, not the service"
-        )
+        raise SystemExit(f"No listening socket received; start {socket_unit}, not the service")
     return listeners
 
 

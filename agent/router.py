@@ -846,27 +846,10 @@ async def close_foreground(router: Router) -> None:
                     os.unlink(address.path)
 
 
-def inherited_listeners() -> list[socket.socket]:
-    """The listening sockets systemd passed us (providerd-router.socket)."""
-    from systemd import daemon
-
-    listeners = []
-    for fd in sorted(daemon.listen_fds_with_names(unset_environment=True)):
-        if not daemon.is_socket(fd, socket.AF_UNSPEC, socket.SOCK_STREAM, 1):
-            raise SystemExit(
-                f"File descriptor {fd} is not a listening stream socket, refusing to start"
-            )
-        listeners.append(socket.socket(fileno=fd))
-    if not listeners:
-        raise SystemExit(
-            "No listening socket received; start providerd-router.socket, not the service"
-        )
-    return listeners
-
-
 async def run_systemd() -> int:
     """The router as providerd-router.service runs it."""
-    from agent.config import ConfigError, load
+    from agent.config import ROUTER_SOCKET, ConfigError, load
+    from agent.front import inherited_listeners
     from agent.notify import notify
 
     try:
@@ -877,7 +860,12 @@ async def run_systemd() -> int:
         return 1
     table = discover_table()
     router = Router(
-        table, config.router, inherited_listeners(), exit_on_idle=True, notify=notify, systemd=True
+        table,
+        config.router,
+        inherited_listeners(ROUTER_SOCKET),
+        exit_on_idle=True,
+        notify=notify,
+        systemd=True,
     )
     router.start_accepting()
     notify("READY=1\nSTATUS=Routing requests by model")
