@@ -17,7 +17,6 @@ table or key, or a value of the wrong kind, is a `Problem` printed as
 
 from __future__ import annotations
 
-import difflib
 import re
 import tomllib
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent import paths
+from agent.manifest import Invalid, did_you_mean, expect_bool, parse_address, quote, unknown_table
 from agent.model import Address, Problem
 from agent.units import UNIT_DIR, Link
 
@@ -70,48 +70,24 @@ class ConfigError(Exception):
         self.problems = problems
 
 
-class _Invalid(Exception):
-    pass
-
-
-# -- converters: TOML value → setting, or _Invalid with what was expected ------------------
-
-
-def _quote(value: object) -> str:
-    if isinstance(value, str):
-        text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    elif isinstance(value, bool):
-        text = "true" if value else "false"
-    elif isinstance(value, dict):
-        text = "a table"
-    else:
-        text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _bool(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise _Invalid(f"expected true or false, got {_quote(value)}")
-    return value
+# -- converters: TOML value → setting, or Invalid with what was expected -------------------
 
 
 def _addresses(value: object) -> tuple[Address, ...]:
-    from agent.manifest import parse_address  # the manifest's own address syntax
-
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(v, str) for v in items) or not items:
-        raise _Invalid(
-            f'expected an address such as "127.0.0.1:8100" or a list of them, got {_quote(value)}'
+        raise Invalid(
+            f'expected an address such as "127.0.0.1:8100" or a list of them, got {quote(value)}'
         )
     out: list[Address] = []
     for text in items:
         assert isinstance(text, str)
         try:
             address = parse_address(text)
-        except Exception as e:  # the manifest module's own validation error
-            raise _Invalid(str(e)) from None
+        except Exception as e:  # Invalid, or whatever else an odd address raises
+            raise Invalid(str(e)) from None
         if address in out:
-            raise _Invalid(f"{_quote(text)} is listed twice")
+            raise Invalid(f"{quote(text)} is listed twice")
         out.append(address)
     return tuple(out)
 
@@ -126,20 +102,20 @@ def _size(value: object) -> int:
     elif isinstance(value, str) and (m := _SIZE.fullmatch(value.strip())):
         size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
     else:
-        raise _Invalid(
-            f'expected a size such as "16M" or "1G" (K, M, G: powers of 1024), got {_quote(value)}'
+        raise Invalid(
+            f'expected a size such as "16M" or "1G" (K, M, G: powers of 1024), got {quote(value)}'
         )
     if not 1024 <= size <= 4 * GIB:
-        raise _Invalid(f"must be from 1K to 4G, got {_quote(value)}")
+        raise Invalid(f"must be from 1K to 4G, got {quote(value)}")
     return size
 
 
 def _number(low: float, high: float, unit: str) -> Callable[[object], float]:
     def convert(value: object) -> float:
         if not isinstance(value, int | float) or isinstance(value, bool):
-            raise _Invalid(f"expected a number{unit}, got {_quote(value)}")
+            raise Invalid(f"expected a number{unit}, got {quote(value)}")
         if not low <= value <= high:  # also refuses nan
-            raise _Invalid(f"must be from {low:g} to {high:g}{unit}, got {value:g}")
+            raise Invalid(f"must be from {low:g} to {high:g}{unit}, got {value:g}")
         return float(value)
 
     return convert
@@ -147,7 +123,7 @@ def _number(low: float, high: float, unit: str) -> Callable[[object], float]:
 
 # (table, key) → (converter, field of the table's dataclass)
 _KEYS: dict[tuple[str, str], tuple[Callable[[object], object], str]] = {
-    ("router", "enabled"): (_bool, "enabled"),
+    ("router", "enabled"): (expect_bool, "enabled"),
     ("router", "address"): (_addresses, "addresses"),
     ("router", "max_body"): (_size, "max_body"),
     ("router", "idle_timeout_s"): (_number(1, 7 * 86400, " (seconds)"), "idle_timeout_s"),
@@ -158,9 +134,7 @@ _TABLES = ("router", "gpu")
 
 def _unknown(table: str, key: str) -> str:
     known = [k for t, k in _KEYS if t == table]
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    hint = f' (did you mean "{close[0]}"?)' if close else ""
-    return f"unknown key{hint}; known keys: {', '.join(known)}"
+    return f"unknown key{did_you_mean(key, known)}; known keys: {', '.join(known)}"
 
 
 def parse(raw: bytes, source: Path) -> Config | list[Problem]:
@@ -176,10 +150,7 @@ def parse(raw: bytes, source: Path) -> Config | list[Problem]:
     values: dict[str, dict[str, object]] = {t: {} for t in _TABLES}
     for table, body in data.items():
         if table not in _TABLES:
-            close = difflib.get_close_matches(table, _TABLES, n=1, cutoff=0.6)
-            hint = f' (did you mean "[{close[0]}]"?)' if close else ""
-            known = ", ".join(f"[{t}]" for t in _TABLES)
-            problems.append(Problem(file, table, f"unknown table{hint}; known tables: {known}"))
+            problems.append(Problem(file, table, unknown_table(table, _TABLES)))
             continue
         if not isinstance(body, dict):
             problems.append(Problem(file, table, f"expected a table [{table}], got a value"))
@@ -192,7 +163,7 @@ def parse(raw: bytes, source: Path) -> Config | list[Problem]:
             convert, name = entry
             try:
                 values[table][name] = convert(value)
-            except _Invalid as e:
+            except Invalid as e:
                 problems.append(Problem(file, f"{table}.{key}", str(e)))
     if problems:
         return problems

@@ -61,14 +61,15 @@ class Discovery:
     problems: list[Problem] = field(default_factory=list)
 
 
-class _Invalid(Exception):
-    pass
+class Invalid(Exception):
+    """A TOML value that cannot be used; the message says what was expected (for a
+    `Problem`). Raised by the converters here and in agent.config."""
 
 
-# -- converters, one per key kind (agent.keys.KINDS) --------------------------------------
+# -- strict TOML checking, shared with agent.config -----------------------------------------
 
 
-def _q(value: object) -> str:
+def quote(value: object) -> str:
     """A value quoted for a message, TOML-like and short."""
     if isinstance(value, str):
         text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
@@ -81,21 +82,46 @@ def _q(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def did_you_mean(
+    name: str, known: Iterable[str], cutoff: float = 0.6, show: Callable[[str], str] = str
+) -> str:
+    """` (did you mean "<closest known name>"?)` for a misspelt name, or "" if none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=cutoff)
+    return f' (did you mean "{show(close[0])}"?)' if close else ""
+
+
+def unknown_table(name: str, known: Iterable[str]) -> str:
+    """The message for a table that is none of `known`."""
+    known = list(known)
+    hint = did_you_mean(name, known, show=lambda t: f"[{t}]")
+    return f"unknown table{hint}; known tables: {', '.join(f'[{t}]' for t in known)}"
+
+
+def expect_bool(value: object) -> bool:
+    """A TOML boolean; raises Invalid for anything else."""
+    if not isinstance(value, bool):
+        raise Invalid(f"expected true or false, got {quote(value)}")
+    return value
+
+
+# -- converters, one per key kind (agent.keys.KINDS) --------------------------------------
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _text(value: object, what: str = "a string") -> str:
     if not isinstance(value, str):
-        raise _Invalid(f"expected {what}, got {_q(value)}")
+        raise Invalid(f"expected {what}, got {quote(value)}")
     if "\x00" in value:
-        raise _Invalid("contains a NUL character, which systemd cannot carry")
+        raise Invalid("contains a NUL character, which systemd cannot carry")
     return value
 
 
 def _strings(value: object, what: str = "a list of strings") -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise _Invalid(f"expected {what}, got {_q(value)}")
+        raise Invalid(f"expected {what}, got {quote(value)}")
     for v in value:
         _text(v)
     return list(value)
@@ -106,7 +132,7 @@ def _range(key: Key, value: float, unit: str = "") -> None:
     hi = math.inf if key.high is None else key.high
     if not lo <= value <= hi:  # also refuses nan
         got = int(value) if float(value).is_integer() else value
-        raise _Invalid(f"must be from {key.range_text()}{unit}, got {got}")
+        raise Invalid(f"must be from {key.range_text()}{unit}, got {got}")
 
 
 def _conv_string(value: object, key: Key, host: Host) -> str:
@@ -114,29 +140,27 @@ def _conv_string(value: object, key: Key, host: Host) -> str:
 
 
 def _conv_bool(value: object, key: Key, host: Host) -> bool:
-    if not isinstance(value, bool):
-        raise _Invalid(f"expected true or false, got {_q(value)}")
-    return value
+    return expect_bool(value)
 
 
 def _conv_choice(value: object, key: Key, host: Host) -> str:
     if not isinstance(value, str) or value not in key.choices:
         verb = "supported" if key.name == "mode" else "expected"
         options = ", ".join(f'"{c}"' for c in key.choices)
-        raise _Invalid(f"{verb}: {options}; got {_q(value)}")
+        raise Invalid(f"{verb}: {options}; got {quote(value)}")
     return value
 
 
 def _conv_int(value: object, key: Key, host: Host) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise _Invalid(f"expected an integer from {key.range_text()}, got {_q(value)}")
+        raise Invalid(f"expected an integer from {key.range_text()}, got {quote(value)}")
     _range(key, value)
     return value
 
 
 def _conv_seconds(value: object, key: Key, host: Host) -> float:
     if not _is_number(value):
-        raise _Invalid(f"expected a number of seconds from {key.range_text()}, got {_q(value)}")
+        raise Invalid(f"expected a number of seconds from {key.range_text()}, got {quote(value)}")
     assert isinstance(value, int | float)
     _range(key, value, " seconds")
     return float(value)
@@ -144,42 +168,42 @@ def _conv_seconds(value: object, key: Key, host: Host) -> float:
 
 def _conv_gigabytes(value: object, key: Key, host: Host) -> float:
     if not _is_number(value):
-        raise _Invalid(f"expected a number of GB such as 18.5, got {_q(value)}")
+        raise Invalid(f"expected a number of GB such as 18.5, got {quote(value)}")
     assert isinstance(value, int | float)
     _range(key, value, " GB")
     return float(value)
 
 
 def parse_address(text: str) -> Address:
-    """One listen address; raises _Invalid with the expected forms."""
+    """One listen address; raises Invalid with the expected forms."""
     forms = 'expected "host:port", "[v6]:port" or an absolute unix socket path'
     if text.startswith("/"):
         if len(text.encode()) > UNIX_PATH_MAX:
-            raise _Invalid(f"unix socket path {_q(text)} is longer than {UNIX_PATH_MAX} bytes")
+            raise Invalid(f"unix socket path {quote(text)} is longer than {UNIX_PATH_MAX} bytes")
         if any(c.isspace() or ord(c) < 32 for c in text) or "%" in text:
-            raise _Invalid(
-                f"unix socket path {_q(text)} may not contain spaces, control characters or '%'"
+            raise Invalid(
+                f"unix socket path {quote(text)} may not contain spaces, control characters or '%'"
             )
         return Address(None, None, os.path.normpath(text))
     if text.startswith("["):
         host, sep, port = text[1:].partition("]:")
         if not sep:
-            raise _Invalid(f"{forms}, got {_q(text)}")
+            raise Invalid(f"{forms}, got {quote(text)}")
         try:
             addr: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.IPv6Address(host)
         except ValueError:
-            raise _Invalid(f"{_q(host)} is not an IPv6 address ({forms})") from None
+            raise Invalid(f"{quote(host)} is not an IPv6 address ({forms})") from None
     else:
         host, sep, port = text.rpartition(":")
         if not sep or not host:
-            raise _Invalid(f"{forms}, got {_q(text)}")
+            raise Invalid(f"{forms}, got {quote(text)}")
         try:
             addr = ipaddress.IPv4Address(host)
         except ValueError:
             hint = " (write IPv6 addresses as [addr]:port)" if ":" in host else ""
-            raise _Invalid(f"{_q(host)} is not an IPv4 address{hint}; {forms}") from None
+            raise Invalid(f"{quote(host)} is not an IPv4 address{hint}; {forms}") from None
     if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise _Invalid(f"port must be from 1 to 65535, got {_q(port)} in {_q(text)}")
+        raise Invalid(f"port must be from 1 to 65535, got {quote(port)} in {quote(text)}")
     return Address(str(addr), int(port))
 
 
@@ -187,12 +211,12 @@ def _conv_addresses(value: object, key: Key, host: Host) -> tuple[Address, ...]:
     items = [value] if isinstance(value, str) else value
     texts = _strings(items, "an address string or a list of them")
     if not texts:
-        raise _Invalid('expected at least one address such as "127.0.0.1:8008"')
+        raise Invalid('expected at least one address such as "127.0.0.1:8008"')
     out: list[Address] = []
     for t in texts:
         a = parse_address(t)
         if a in out:
-            raise _Invalid(f"{_q(str(a))} is listed twice")
+            raise Invalid(f"{quote(str(a))} is listed twice")
         out.append(a)
     return tuple(out)
 
@@ -209,8 +233,8 @@ def _conv_cidrs(value: object, key: Key, host: Host) -> tuple[str, ...]:
         try:
             out.append(str(ipaddress.ip_network(t, strict=False)))
         except ValueError:
-            raise _Invalid(
-                f'{_q(t)} is not an address or CIDR (such as "10.0.0.0/8", "::1", "localhost")'
+            raise Invalid(
+                f'{quote(t)} is not an address or CIDR (such as "10.0.0.0/8", "::1", "localhost")'
             ) from None
     return tuple(out)
 
@@ -218,19 +242,19 @@ def _conv_cidrs(value: object, key: Key, host: Host) -> tuple[str, ...]:
 def _conv_argv(value: object, key: Key, host: Host) -> tuple[str, ...]:
     argv = _strings(value, 'a list of strings such as ["/opt/m/serve", "--port", "{port}"]')
     if not argv or not argv[0]:
-        raise _Invalid("expected a non-empty list whose first item names the program")
+        raise Invalid("expected a non-empty list whose first item names the program")
     dummy = dict.fromkeys(PLACEHOLDERS, "")
     known = ", ".join("{" + n + "}" for n in sorted(PLACEHOLDERS))
     for i, arg in enumerate(argv):
         try:
             fill_placeholders(arg, dummy)
         except KeyError as e:
-            raise _Invalid(
-                f"item {i} ({_q(arg)}): unknown placeholder {{{e.args[0]}}}; known: {known} "
+            raise Invalid(
+                f"item {i} ({quote(arg)}): unknown placeholder {{{e.args[0]}}}; known: {known} "
                 "(write {{ and }} for literal braces)"
             ) from None
         except ValueError as e:
-            raise _Invalid(f"item {i} ({_q(arg)}): {e}") from None
+            raise Invalid(f"item {i} ({quote(arg)}): {e}") from None
     return tuple(argv)
 
 
@@ -240,7 +264,7 @@ _ENTRY_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\
 def _conv_entrypoint(value: object, key: Key, host: Host) -> str:
     text = _text(value)
     if not _ENTRY_RE.fullmatch(text):
-        raise _Invalid(f'expected "package.module:function", got {_q(text)}')
+        raise Invalid(f'expected "package.module:function", got {quote(text)}')
     return text
 
 
@@ -252,8 +276,8 @@ def _conv_ready(value: object, key: Key, host: Host) -> Ready:
         path = text[5:]
         if path.startswith("/") and not any(c.isspace() or ord(c) < 32 for c in path):
             return Ready("http", path)
-    raise _Invalid(
-        f'expected "tcp", "http:/path" (such as "http:/health") or "notify", got {_q(text)}'
+    raise Invalid(
+        f'expected "tcp", "http:/path" (such as "http:/health") or "notify", got {quote(text)}'
     )
 
 
@@ -262,21 +286,21 @@ _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 def _conv_environment(value: object, key: Key, host: Host) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, dict):
-        raise _Invalid(
-            f'expected a table of strings such as {{ HF_HOME = "/srv/hf" }}, got {_q(value)}'
+        raise Invalid(
+            f'expected a table of strings such as {{ HF_HOME = "/srv/hf" }}, got {quote(value)}'
         )
     out: list[tuple[str, str]] = []
     for name, v in value.items():
         if not _ENV_NAME_RE.fullmatch(name):
-            raise _Invalid(
-                f"{_q(name)} is not a variable name (letters, digits and '_', not first a digit)"
+            raise Invalid(
+                f"{quote(name)} is not a variable name (letters, digits and '_', not first a digit)"
             )
         if name.startswith("PROVIDERD_"):
-            raise _Invalid(
-                f"{_q(name)}: names starting with PROVIDERD_ are set by providerd itself"
+            raise Invalid(
+                f"{quote(name)}: names starting with PROVIDERD_ are set by providerd itself"
             )
         if not isinstance(v, str):
-            raise _Invalid(f'{name}: expected a string value, got {_q(v)} (quote numbers: "1")')
+            raise Invalid(f'{name}: expected a string value, got {quote(v)} (quote numbers: "1")')
         _text(v)
         out.append((name, v))
     return tuple(out)
@@ -284,10 +308,10 @@ def _conv_environment(value: object, key: Key, host: Host) -> tuple[tuple[str, s
 
 def _abspath(text: str, what: str) -> str:
     if not text.startswith("/"):
-        raise _Invalid(f"expected an absolute {what}, got {_q(text)}")
+        raise Invalid(f"expected an absolute {what}, got {quote(text)}")
     if any(c.isspace() or ord(c) < 32 or c in ":\"'\\" for c in text):
-        raise _Invalid(
-            f"{_q(text)}: paths with spaces, quotes, ':', '\\' or control characters are not supported "
+        raise Invalid(
+            f"{quote(text)}: paths with spaces, quotes, ':', '\\' or control characters are not supported "
             "(a symlink without them works)"
         )
     return os.path.normpath(text)
@@ -302,8 +326,8 @@ def _conv_abspaths(value: object, key: Key, host: Host) -> tuple[str, ...]:
     for t in _strings(value, "a list of absolute paths"):
         p = _abspath(t, "path")
         if not host.exists(p):
-            raise _Invalid(
-                f"{_q(p)} does not exist (weights must be in place before the worker starts)"
+            raise Invalid(
+                f"{quote(p)} does not exist (weights must be in place before the worker starts)"
             )
         out.append(p)
     return tuple(out)
@@ -313,7 +337,7 @@ def _conv_urlpaths(value: object, key: Key, host: Host) -> tuple[str, ...]:
     out = _strings(value, 'a list of HTTP paths such as ["/health"]')
     for t in out:
         if not t.startswith("/") or any(c.isspace() for c in t):
-            raise _Invalid(f'expected HTTP paths starting with "/", got {_q(t)}')
+            raise Invalid(f'expected HTTP paths starting with "/", got {quote(t)}')
     return tuple(out)
 
 
@@ -336,13 +360,13 @@ def _conv_size(value: object, key: Key, host: Host) -> int:
     elif isinstance(value, str) and (m := _SIZE_RE.fullmatch(value.strip())):
         size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
     else:
-        raise _Invalid(
-            f'expected a size such as "24G" or "512M" (K, M, G, T: powers of 1024), got {_q(value)}'
+        raise Invalid(
+            f'expected a size such as "24G" or "512M" (K, M, G, T: powers of 1024), got {quote(value)}'
         )
     if size < MIN_MEMORY:
-        raise _Invalid(f"must be at least 1M, got {_q(value)}")
+        raise Invalid(f"must be at least 1M, got {quote(value)}")
     if size >= 1 << 62:
-        raise _Invalid(f"must be less than 4E, got {_q(value)}")
+        raise Invalid(f"must be less than 4E, got {quote(value)}")
     return size
 
 
@@ -353,10 +377,10 @@ def _conv_percent(value: object, key: Key, host: Host) -> int:
     top = host.cpu_count * 100
     m = _PERCENT_RE.fullmatch(value.strip()) if isinstance(value, str) else None
     if m is None:
-        raise _Invalid(f'expected a percentage such as "400%" (100% = one CPU), got {_q(value)}')
+        raise Invalid(f'expected a percentage such as "400%" (100% = one CPU), got {quote(value)}')
     pct = int(m.group(1))
     if not 1 <= pct <= top:
-        raise _Invalid(f"must be from 1% to {top}% ({host.cpu_count} CPUs here), got {_q(value)}")
+        raise Invalid(f"must be from 1% to {top}% ({host.cpu_count} CPUs here), got {quote(value)}")
     return pct
 
 
@@ -369,14 +393,14 @@ def _conv_gpu_devices(value: object, key: Key, host: Host) -> str | tuple[int | 
         return value
     expected = 'expected "auto", "none", or a list of GPU indices (0, 1) or UUIDs ("GPU-…")'
     if not isinstance(value, list) or not value:
-        raise _Invalid(f"{expected}, got {_q(value)}")
+        raise Invalid(f"{expected}, got {quote(value)}")
     out: list[int | str] = []
     for v in value:
         index = isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1023
         if not index and not (isinstance(v, str) and _UUID_RE.fullmatch(v)):
-            raise _Invalid(f"{expected}; {_q(v)} is neither")
+            raise Invalid(f"{expected}; {quote(v)} is neither")
         if v in out:
-            raise _Invalid(f"{_q(v)} is listed twice")
+            raise Invalid(f"{quote(v)} is listed twice")
         out.append(v)
     return tuple(out)
 
@@ -385,10 +409,10 @@ def _conv_names(value: object, key: Key, host: Host) -> tuple[str, ...]:
     out = _strings(value, 'a list of model names such as ["llama-3.1-8b"]')
     for t in out:
         if not t or any(c.isspace() or ord(c) < 32 for c in t):
-            raise _Invalid(f"model names must be non-empty and without spaces, got {_q(t)}")
+            raise Invalid(f"model names must be non-empty and without spaces, got {quote(t)}")
     dup = {t for t in out if out.count(t) > 1}
     if dup:
-        raise _Invalid(f"{_q(sorted(dup)[0])} is listed twice")
+        raise Invalid(f"{quote(sorted(dup)[0])} is listed twice")
     return tuple(out)
 
 
@@ -398,7 +422,7 @@ def _conv_regexes(value: object, key: Key, host: Host) -> tuple[str, ...]:
         try:
             re.compile(t)
         except re.error as e:
-            raise _Invalid(f"{_q(t)} is not a valid regular expression: {e}") from None
+            raise Invalid(f"{quote(t)} is not a valid regular expression: {e}") from None
     return tuple(out)
 
 
@@ -442,27 +466,16 @@ def _field(key: Key) -> str:
 
 
 def _did_you_mean(section: str, name: str) -> str:
-    here = [k.name for k in KEYS if k.section == section]
-    close = difflib.get_close_matches(name, here, n=1, cutoff=0.6)
-    if close:
-        return f' (did you mean "{close[0]}"?)'
+    here = did_you_mean(name, [k.name for k in KEYS if k.section == section])
+    if here:
+        return here
     elsewhere = [k.dotted for k in KEYS if k.name == name]
     if elsewhere:
         return f' (did you mean "{elsewhere[0]}"?)'
-    anywhere = difflib.get_close_matches(name, [k.name for k in KEYS], n=1, cutoff=0.8)
-    if anywhere:
-        return f' (did you mean "{BY_KEYNAME[anywhere[0]].dotted}"?)'
-    return ""
+    return did_you_mean(name, [k.name for k in KEYS], 0.8, lambda n: BY_KEYNAME[n].dotted)
 
 
 BY_KEYNAME = {k.name: k for k in KEYS}
-
-
-def _unknown_table(name: str) -> str:
-    close = difflib.get_close_matches(name, [s for s in SECTIONS if s], n=1, cutoff=0.6)
-    hint = f' (did you mean "[{close[0]}]"?)' if close else ""
-    known = ", ".join(f"[{s}]" for s in SECTIONS if s)
-    return f"unknown table{hint}; known tables: {known}"
 
 
 # -- the pure validator ------------------------------------------------------------------
@@ -499,21 +512,21 @@ def validate(data: dict[str, Any], slug: str, source: Path, host: Host) -> Provi
         try:
             values[_field(key)] = _CONVERTERS[key.kind](value, key, host)
             present.add(dotted)
-        except _Invalid as e:
+        except Invalid as e:
             problem(dotted, str(e))
 
     tables: set[str] = set()
     for name, value in data.items():  # in file order, so problems are too
         if name in SECTIONS and name:
             if not isinstance(value, dict):
-                problem(name, f"expected a table [{name}], got {_q(value)}")
+                problem(name, f"expected a table [{name}], got {quote(value)}")
                 broken.add(name)
                 continue
             tables.add(name)
             for sub, v in value.items():
                 take(name, sub, v)
         elif isinstance(value, dict) and name not in BY_DOTTED:
-            problem(name, _unknown_table(name))
+            problem(name, unknown_table(name, [s for s in SECTIONS if s]))
         else:
             take("", name, value)
 
