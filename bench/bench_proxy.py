@@ -18,7 +18,6 @@ connection per request) and the latency each proxy adds over direct; throughput 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import platform
 import selectors
@@ -32,7 +31,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import (
+    ROOT,
+    Address,
+    always_ready_front,
+    listener,
+    pct,
+    read_n,
+    serve_epoll,
+    spawn,
+    wait_listening,
+)
+
 PROXYD = "/lib/systemd/systemd-socket-proxyd"
 BIG = 100 * 1024 * 1024
 SMALL = b"GET /small HTTP/1.1\r\nHost: bench\r\n\r\n"
@@ -43,51 +53,23 @@ BIG_HEAD = (
 CHUNK = 1024 * 1024
 HELD = 1000
 
-Address = tuple[str, int]
-
 # -- the backend: epoll for small requests, a thread per connection for big bodies ----------
 
 
 def backend_main() -> None:
-    listener = socket.socket(fileno=3)
-    listener.setblocking(False)
-    sel = selectors.DefaultSelector()
-    sel.register(listener, selectors.EVENT_READ, None)
-    while True:
-        for key, _ in sel.select():
-            if key.data is None:
-                while True:
-                    try:
-                        conn, _ = listener.accept()
-                    except BlockingIOError:
-                        break
-                    conn.setblocking(False)
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    sel.register(conn, selectors.EVENT_READ, bytearray())
-                continue
-            conn = key.fileobj
-            assert isinstance(conn, socket.socket)
-            try:
-                data = conn.recv(65536)
-            except BlockingIOError:
-                continue
-            except OSError:
-                data = b""
-            if not data:
-                sel.unregister(conn)
-                conn.close()
-                continue
-            buf: bytearray = key.data
-            buf += data
-            while (i := buf.find(b"\r\n\r\n")) >= 0:
-                if buf.startswith(b"GET /small"):
-                    del buf[: i + 4]
-                    conn.send(SMALL_RESPONSE)  # tiny: always fits the empty send buffer
-                    continue
-                sel.unregister(conn)  # a big body: a blocking thread takes the connection
-                conn.setblocking(True)
-                threading.Thread(target=serve_big, args=(conn, bytes(buf)), daemon=True).start()
-                break
+    serve_epoll(on_data)
+
+
+def on_data(sel: selectors.BaseSelector, conn: socket.socket, buf: bytearray) -> None:
+    while (i := buf.find(b"\r\n\r\n")) >= 0:
+        if buf.startswith(b"GET /small"):
+            del buf[: i + 4]
+            conn.send(SMALL_RESPONSE)  # tiny: always fits the empty send buffer
+            continue
+        sel.unregister(conn)  # a big body: a blocking thread takes the connection
+        conn.setblocking(True)
+        threading.Thread(target=serve_big, args=(conn, bytes(buf)), daemon=True).start()
+        break
 
 
 def serve_big(conn: socket.socket, pending: bytes) -> None:
@@ -120,84 +102,20 @@ def serve_big(conn: socket.socket, pending: bytes) -> None:
                 conn.sendall(SMALL_RESPONSE)
 
 
-# -- our proxy: agent.proxy.serve_http behind a plain accept loop --------------------------
-
-
-def ours_main(backend_port: int) -> None:
-    sys.path.insert(0, str(ROOT))
-    from agent.model import Address as Addr
-    from agent.proxy import serve_http
-
-    class NoLease:
-        def release(self) -> None:
-            pass
-
-    class AlwaysReady:
-        slug = "bench"
-        request_timeout_s = 300.0
-        address = Addr("127.0.0.1", backend_port)
-        no_lease = NoLease()
-
-        def lease(self, path: str | None) -> NoLease:
-            return self.no_lease
-
-        async def ready(self) -> tuple[Addr, int]:
-            return self.address, 1
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        listener = socket.socket(fileno=3)
-        listener.setblocking(False)
-        backend = AlwaysReady()
-        tasks: set[asyncio.Task[None]] = set()
-        while True:
-            client, _ = await loop.sock_accept(listener)
-            task = loop.create_task(serve_http(client, backend))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-
-    asyncio.run(main())
-
-
 # -- processes --------------------------------------------------------------------------
 
 
-def listener() -> socket.socket:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(4096)
-    return sock
-
-
-def spawn(argv: list[str], sock: socket.socket) -> subprocess.Popen[bytes]:
+def spawn_activated(argv: list[str], sock: socket.socket) -> subprocess.Popen[bytes]:
     """Start argv with sock as fd 3 and LISTEN_FDS=1 / LISTEN_PID set to its own pid."""
-    fd = sock.fileno()
-    env = dict(os.environ, LISTEN_FDS="1")
-
-    def as_fd3() -> None:
-        if fd == 3:
-            os.set_inheritable(3, True)  # dup2(3, 3) would keep close-on-exec
-        else:
-            os.dup2(fd, 3)  # dup2 leaves fd 3 inheritable
-
-    return subprocess.Popen(
+    return spawn(
         ["/bin/sh", "-c", 'LISTEN_PID=$$ exec "$@"', "sh", *argv],
-        preexec_fn=as_fd3,
-        close_fds=False,  # everything else Python opened is close-on-exec already
-        env=env,
+        sock,
+        env=dict(os.environ, LISTEN_FDS="1"),
     )
 
 
-def wait_listening(address: Address) -> None:
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            request(address, SMALL, len(SMALL_RESPONSE))
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+def wait_until_listening(address: Address) -> None:
+    wait_listening(lambda: request(address, SMALL, len(SMALL_RESPONSE)))
 
 
 def rss_bytes(pid: int) -> int:
@@ -214,15 +132,6 @@ def connect(address: Address) -> socket.socket:
     sock = socket.create_connection(address, timeout=20)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
-
-
-def read_n(sock: socket.socket, n: int) -> None:
-    got = 0
-    while got < n:
-        data = sock.recv(65536)
-        if not data:
-            raise ConnectionError("connection closed early")
-        got += len(data)
 
 
 def request(address: Address, data: bytes, answer: int) -> None:
@@ -300,11 +209,6 @@ def hold_connections(address: Address, pid: int, n: int) -> float:
     return (after - before) / n
 
 
-def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
-
-
 # -- the run ------------------------------------------------------------------------------
 
 
@@ -318,11 +222,11 @@ def run(quick: bool) -> str:
     back_port = back_sock.getsockname()[1]
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        procs.append(spawn([sys.executable, __file__, "--role", "backend"], back_sock))
+        procs.append(spawn_activated([sys.executable, __file__, "--role", "backend"], back_sock))
         proxyd_sock, ours_sock = listener(), listener()
-        procs.append(spawn([PROXYD, "-c", "4096", f"127.0.0.1:{back_port}"], proxyd_sock))
+        procs.append(spawn_activated([PROXYD, "-c", "4096", f"127.0.0.1:{back_port}"], proxyd_sock))
         procs.append(
-            spawn(
+            spawn_activated(
                 [sys.executable, __file__, "--role", "ours", "--backend-port", str(back_port)],
                 ours_sock,
             )
@@ -334,7 +238,7 @@ def run(quick: bool) -> str:
         }
         pids = {"proxyd": procs[1].pid, "ours": procs[2].pid}
         for address in paths.values():
-            wait_listening(address)
+            wait_until_listening(address)
 
         keep: dict[str, list[float]] = {name: [] for name in paths}
         new: dict[str, list[float]] = {name: [] for name in paths}
@@ -434,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     roles: dict[str, Callable[[], None]] = {
         "backend": backend_main,
-        "ours": lambda: ours_main(args.backend_port),
+        "ours": lambda: always_ready_front(args.backend_port),
     }
     if args.role:
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))

@@ -28,13 +28,22 @@ import platform
 import selectors
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import (
+    ROOT,
+    always_ready_front,
+    listener,
+    pct,
+    read_n,
+    serve_epoll,
+    spawn,
+    wait_listening,
+)
+
 BIG = 100 * 1024 * 1024
 CHUNK = 1024 * 1024
 BODY = b'{"model": "bench", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}'
@@ -55,49 +64,23 @@ BIG_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Lengt
 
 
 def backend_main() -> None:
-    listener = socket.socket(fileno=3)
-    listener.setblocking(False)
-    sel = selectors.DefaultSelector()
-    sel.register(listener, selectors.EVENT_READ, None)
-    while True:
-        for key, _ in sel.select():
-            if key.data is None:
-                while True:
-                    try:
-                        conn, _ = listener.accept()
-                    except BlockingIOError:
-                        break
-                    conn.setblocking(False)
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    sel.register(conn, selectors.EVENT_READ, bytearray())
-                continue
-            conn = key.fileobj
-            assert isinstance(conn, socket.socket)
-            try:
-                data = conn.recv(65536)
-            except BlockingIOError:
-                continue
-            except OSError:
-                data = b""
-            if not data:
-                sel.unregister(conn)
-                conn.close()
-                continue
-            buf: bytearray = key.data
-            buf += data
-            while (i := buf.find(b"\r\n\r\n")) >= 0:
-                length = int(buf[: i + 4].split(b"Content-Length: ")[1].split(b"\r\n")[0])
-                if len(buf) < i + 4 + length:
-                    break
-                big = buf.startswith(b"POST /v1/big")
-                del buf[: i + 4 + length]
-                if not big:
-                    conn.send(SMALL_RESPONSE)
-                    continue
-                sel.unregister(conn)
-                conn.setblocking(True)
-                threading.Thread(target=serve_big, args=(conn,), daemon=True).start()
-                break
+    serve_epoll(on_data)
+
+
+def on_data(sel: selectors.BaseSelector, conn: socket.socket, buf: bytearray) -> None:
+    while (i := buf.find(b"\r\n\r\n")) >= 0:
+        length = int(buf[: i + 4].split(b"Content-Length: ")[1].split(b"\r\n")[0])
+        if len(buf) < i + 4 + length:
+            break
+        big = buf.startswith(b"POST /v1/big")
+        del buf[: i + 4 + length]
+        if not big:
+            conn.send(SMALL_RESPONSE)
+            continue
+        sel.unregister(conn)
+        conn.setblocking(True)
+        threading.Thread(target=serve_big, args=(conn,), daemon=True).start()
+        break
 
 
 def serve_big(conn: socket.socket) -> None:
@@ -110,44 +93,6 @@ def serve_big(conn: socket.socket) -> None:
 
 
 # -- the front and the router -----------------------------------------------------------------
-
-
-def front_main(worker_port: int) -> None:
-    import asyncio
-
-    sys.path.insert(0, str(ROOT))
-    from agent.model import Address
-    from agent.proxy import serve_http
-
-    class NoLease:
-        def release(self) -> None:
-            pass
-
-    class AlwaysReady:
-        slug = "bench"
-        request_timeout_s = 300.0
-        address = Address("127.0.0.1", worker_port)
-        no_lease = NoLease()
-
-        def lease(self, path: str | None) -> NoLease:
-            return self.no_lease
-
-        async def ready(self) -> tuple[Address, int]:
-            return self.address, 1
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        listener = socket.socket(fileno=3)
-        listener.setblocking(False)
-        backend = AlwaysReady()
-        tasks: set[asyncio.Task[None]] = set()
-        while True:
-            client, _ = await loop.sock_accept(listener)
-            task = loop.create_task(serve_http(client, backend))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-
-    asyncio.run(main())
 
 
 def router_main(front_port: int) -> None:
@@ -178,48 +123,13 @@ def router_main(front_port: int) -> None:
 # -- processes ------------------------------------------------------------------------------
 
 
-def listener() -> socket.socket:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(4096)
-    return sock
+def wait_until_listening(port: int) -> None:
+    def exchange() -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+            c.sendall(SMALL)
+            read_n(c, len(SMALL_RESPONSE))
 
-
-def spawn(role: str, arg: int, sock: socket.socket) -> subprocess.Popen[bytes]:
-    fd = sock.fileno()
-
-    def as_fd_3() -> None:
-        if fd == 3:
-            os.set_inheritable(3, True)
-        else:
-            os.dup2(fd, 3)  # dup2 leaves fd 3 inheritable
-
-    return subprocess.Popen(
-        [sys.executable, __file__, "--role", role, str(arg)], preexec_fn=as_fd_3, close_fds=False
-    )
-
-
-def wait_listening(port: int) -> None:
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
-                c.sendall(SMALL)
-                read_response(c, len(SMALL_RESPONSE))
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
-def read_response(c: socket.socket, n: int) -> None:
-    got = 0
-    while got < n:
-        data = c.recv(65536)
-        if not data:
-            raise ConnectionError("closed")
-        got += len(data)
+    wait_listening(exchange)
 
 
 # -- measurements ------------------------------------------------------------------------------
@@ -231,11 +141,11 @@ def latencies(port: int, n: int) -> list[float]:
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for _ in range(20):  # warm the connections behind this one
             c.sendall(SMALL)
-            read_response(c, len(SMALL_RESPONSE))
+            read_n(c, len(SMALL_RESPONSE))
         for _ in range(n):
             t = time.perf_counter()
             c.sendall(SMALL)
-            read_response(c, len(SMALL_RESPONSE))
+            read_n(c, len(SMALL_RESPONSE))
             out.append(time.perf_counter() - t)
     return out
 
@@ -256,11 +166,6 @@ def throughput(port: int) -> float:
         return BIG / (1 << 20) / (time.perf_counter() - t)
 
 
-def pct(values: list[float], p: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(len(s) * p))] * 1e6
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -271,7 +176,7 @@ def main() -> int:
         backend_main()
         return 0
     if args.role == "front":
-        front_main(args.arg)
+        always_ready_front(args.arg)
         return 0
     if args.role == "router":
         router_main(args.arg)
@@ -281,13 +186,16 @@ def main() -> int:
     socks = {name: listener() for name in ("direct", "front", "router")}
     ports = {name: s.getsockname()[1] for name, s in socks.items()}
     procs = [
-        spawn("backend", 0, socks["direct"]),
-        spawn("front", ports["direct"], socks["front"]),
-        spawn("router", ports["front"], socks["router"]),
+        spawn([sys.executable, __file__, "--role", role, str(arg)], socks[name])
+        for role, arg, name in (
+            ("backend", 0, "direct"),
+            ("front", ports["direct"], "front"),
+            ("router", ports["front"], "router"),
+        )
     ]
     try:
         for port in ports.values():
-            wait_listening(port)
+            wait_until_listening(port)
         samples: dict[str, list[float]] = {name: [] for name in ports}
         for _ in range(rounds):
             for name, port in ports.items():
@@ -301,8 +209,8 @@ def main() -> int:
             p.kill()
             p.wait()
 
-    p50 = {k: pct(v, 0.50) for k, v in samples.items()}
-    p99 = {k: pct(v, 0.99) for k, v in samples.items()}
+    p50 = {k: pct(v, 50) * 1e6 for k, v in samples.items()}
+    p99 = {k: pct(v, 99) * 1e6 for k, v in samples.items()}
     add50 = {"front": p50["front"] - p50["direct"], "router": p50["router"] - p50["front"]}
     add99 = {"front": p99["front"] - p99["direct"], "router": p99["router"] - p99["front"]}
     ratio50 = add50["router"] / add50["front"] if add50["front"] > 0 else float("nan")

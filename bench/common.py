@@ -1,0 +1,155 @@
+"""What the data path benchmarks share: an epoll HTTP backend loop, a front that is always
+ready (`agent.proxy.serve_http` behind a plain accept loop), processes that get their
+listening socket as fd 3, and the client's reads and percentiles."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+Address = tuple[str, int]
+
+# What a backend does with a connection's buffered bytes (everything it received and did not
+# consume yet): answer and consume complete requests, or take the connection off the selector.
+OnData = Callable[[selectors.BaseSelector, socket.socket, bytearray], None]
+
+
+def serve_epoll(on_data: OnData) -> None:
+    """A backend on the listening socket fd 3: accepts, reads, closes at EOF; `on_data` gets
+    each connection's buffer after every read."""
+    listener = socket.socket(fileno=3)
+    listener.setblocking(False)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, None)
+    while True:
+        for key, _ in sel.select():
+            if key.data is None:
+                while True:
+                    try:
+                        conn, _ = listener.accept()
+                    except BlockingIOError:
+                        break
+                    conn.setblocking(False)
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sel.register(conn, selectors.EVENT_READ, bytearray())
+                continue
+            conn = key.fileobj
+            assert isinstance(conn, socket.socket)
+            try:
+                data = conn.recv(65536)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                sel.unregister(conn)
+                conn.close()
+                continue
+            buf: bytearray = key.data
+            buf += data
+            on_data(sel, conn, buf)
+
+
+def always_ready_front(worker_port: int) -> None:
+    """`agent.proxy.serve_http` on the listening socket fd 3, every connection relayed to
+    127.0.0.1:worker_port by a backend that is always ready and holds no lease."""
+    import asyncio
+
+    sys.path.insert(0, str(ROOT))
+    from agent.model import Address as Addr
+    from agent.proxy import serve_http
+
+    class NoLease:
+        def release(self) -> None:
+            pass
+
+    class AlwaysReady:
+        slug = "bench"
+        request_timeout_s = 300.0
+        address = Addr("127.0.0.1", worker_port)
+        no_lease = NoLease()
+
+        def lease(self, path: str | None) -> NoLease:
+            return self.no_lease
+
+        async def ready(self) -> tuple[Addr, int]:
+            return self.address, 1
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        listener = socket.socket(fileno=3)
+        listener.setblocking(False)
+        backend = AlwaysReady()
+        tasks: set[asyncio.Task[None]] = set()
+        while True:
+            client, _ = await loop.sock_accept(listener)
+            task = loop.create_task(serve_http(client, backend))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    asyncio.run(main())
+
+
+def listener() -> socket.socket:
+    """A listening loopback TCP socket on a free port."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4096)
+    return sock
+
+
+def spawn(
+    argv: list[str], sock: socket.socket, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start argv with `sock` as its fd 3."""
+    fd = sock.fileno()
+
+    def as_fd3() -> None:
+        if fd == 3:
+            os.set_inheritable(3, True)  # dup2(3, 3) would keep close-on-exec
+        else:
+            os.dup2(fd, 3)  # dup2 leaves fd 3 inheritable
+
+    return subprocess.Popen(
+        argv,
+        preexec_fn=as_fd3,
+        close_fds=False,  # everything else Python opened is close-on-exec already
+        env=env,
+    )
+
+
+def read_n(sock: socket.socket, n: int) -> None:
+    """Read and drop n bytes."""
+    got = 0
+    while got < n:
+        data = sock.recv(65536)
+        if not data:
+            raise ConnectionError("connection closed early")
+        got += len(data)
+
+
+def wait_listening(exchange: Callable[[], None]) -> None:
+    """Retry `exchange` (one request and its answer) until it works, for up to 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            exchange()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def pct(values: list[float], p: float) -> float:
+    """The p-th percentile (0-100) of values, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
