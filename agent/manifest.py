@@ -202,7 +202,7 @@ def parse_address(text: str) -> Address:
         except ValueError:
             hint = " (write IPv6 addresses as [addr]:port)" if ":" in host else ""
             raise Invalid(f"{quote(host)} is not an IPv4 address{hint}; {forms}") from None
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         raise Invalid(f"port must be from 1 to 65535, got {quote(port)} in {quote(text)}")
     return Address(str(addr), int(port))
 

@@ -47,6 +47,6 @@ def trusted_uids() -> frozenset[int]:
     """Owners a manifest may have: root, plus PROVIDERD_TRUSTED_UID if set (for tests)."""
     uids = {0}
     value = os.environ.get("PROVIDERD_TRUSTED_UID", "").strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():
         uids.add(int(value))
     return frozenset(uids)

@@ -203,7 +203,7 @@ def fill_argv(argv: list[str], values: dict[str, str]) -> list[str]:
 
 def placeholder_values(slug: str, environ: Mapping[str, str]) -> dict[str, str]:
     port = environ.get("PROVIDERD_WORKER_PORT", "")
-    if not port.isdigit() or not 0 < int(port) < 65536:
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         where = f"/run/providerd/{slug}/worker.env"
         raise Failure(
             f"Failed to start the worker for {slug}: PROVIDERD_WORKER_PORT is "
@@ -537,7 +537,7 @@ def _die_with_parent() -> None:
     """Foreground mode: the front asks (PROVIDERD_DIE_WITH_PARENT=<its pid>) that the
     wrapper die with it, which keeps the front's spawn cheap (no pre-exec hook)."""
     parent = os.environ.pop("PROVIDERD_DIE_WITH_PARENT", None)
-    if parent is None or not parent.isdigit():
+    if parent is None or not (parent.isascii() and parent.isdigit()):
         return
     setter = _pdeathsig_setter()
     if setter is not None:
