@@ -6,7 +6,6 @@ foreground mode) would, and records every datagram.
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
@@ -20,6 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.integration.conftest import alive
 
 ROOT = Path(__file__).resolve().parents[2]
 MISBEHAVE = str(ROOT / "tests" / "workers" / "misbehave.py")
@@ -45,17 +46,6 @@ def get(port: int, path: str) -> tuple[int, bytes]:
         return r.status, r.read()
     finally:
         c.close()
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with contextlib.suppress(OSError):
-        if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
-            return False
-    return True
 
 
 def wait_until(what: str, check: Callable[[], object], timeout: float = 10) -> None:
