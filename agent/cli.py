@@ -299,7 +299,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_check)
 
     s = sub.add_parser("generate", help="print what the generator would write")
-    s.add_argument("--dry-run", action="store_true", required=True)
+    s.add_argument("--dry-run", action="store_true", help="print, verify, write nothing")
     s.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("reload", help="apply manifest changes to systemd")

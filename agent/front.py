@@ -142,7 +142,6 @@ class Front:
         self._backoff_timer: asyncio.TimerHandle | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()
-        self._job: asyncio.Task[None] | None = None
         self._start_began = 0.0
         self._start_cause = ""
         self._release_reason = ""
@@ -228,7 +227,7 @@ class Front:
 
     # ------------------------------------------------------------------ the worker
 
-    async def ready(self) -> tuple[Address, int]:
+    async def ready(self, cause: str = "request") -> tuple[Address, int]:
         if self.state == State.READY:
             return self.address, self.generation
         if len(self.waiters) >= self.provider.max_held:
@@ -239,7 +238,7 @@ class Front:
             )
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.waiters.append(future)
-        self._dispatch(Event.DEMAND, "request")
+        self._dispatch(Event.DEMAND, cause)
         try:
             await asyncio.shield(future)
         finally:
@@ -279,10 +278,10 @@ class Front:
         for action in actions:
             if action == Action.START_WORKER:
                 self._start_cause = cause
-                self._job = asyncio.get_running_loop().create_task(self._start_worker())
+                self._spawn(self._start_worker())
             elif action == Action.STOP_WORKER:
                 self._release_reason = cause
-                self._job = asyncio.get_running_loop().create_task(self._stop_worker())
+                self._spawn(self._stop_worker())
             elif action == Action.WAKE_WAITERS:
                 for future in self.waiters:
                     if not future.done():
@@ -446,13 +445,11 @@ class Front:
         if op == "status":
             return await self.status()
         if op == "warm":
-            if self.state != State.READY:
-                self.warm()
-                while self.state in (State.STARTING, State.STOPPING, State.IDLE):
-                    if self.state == State.IDLE and self._job is None:
-                        break
-                    await asyncio.sleep(0.05)
-            return {"state": self.state.value, "error": self.failure}
+            try:
+                await self.ready("warm")
+            except Unavailable as e:
+                return {"state": self.state.value, "error": e.error}
+            return {"state": self.state.value, "error": None}
         if op == "stop":
             return await self.stop(float(request.get("grace_s", self.provider.stop_timeout_s)))
         if op == "retire":

@@ -159,3 +159,21 @@ def test_failed_start_refuses_during_backoff_without_restarting() -> None:
     assert all(a.startswith(b"HTTP/1.1 503") for a in answers), answers
     assert b"status 3" in answers[0] and b"Retry-After" in answers[0]
     assert starts == 1
+
+
+def test_warm_while_the_worker_is_being_released_starts_it_again() -> None:
+    async def go() -> tuple[dict[str, object], int]:
+        sock = listener()
+        worker = InProcessWorker()
+        front = Front(provider(), worker, [sock], exit_on_idle=False)
+        front.start_accepting()
+        await front.handle({"op": "warm"})
+        front.release_worker("stop on request")  # STOPPING now
+        answer = await asyncio.wait_for(front.handle({"op": "warm"}), 5)
+        starts = worker.starts
+        await shutdown(front, worker)
+        return answer, starts
+
+    answer, starts = asyncio.run(go())
+    assert answer == {"state": "ready", "error": None}
+    assert starts == 2
