@@ -207,6 +207,7 @@ class FakeCard:
     name: str = "Fake GPU"
     minor: int | None = None  # defaults to the index
     reserved: int = 0  # memory the driver keeps (never free)
+    bus_id: str = ""
 
 
 class FakeNvml:
@@ -268,7 +269,8 @@ class FakeNvml:
         for c in self._cards:
             used = c.reserved + sum(n for (_, u), n in usage.items() if u == c.uuid)
             minor = c.index if c.minor is None else c.minor
-            out.append(Card(c.index, c.uuid, c.name, c.total, max(0, c.total - used), minor))
+            free = max(0, c.total - used)
+            out.append(Card(c.index, c.uuid, c.name, c.total, free, minor, c.bus_id))
         return out
 
     def processes(self) -> list[GpuProcess]:
@@ -282,7 +284,8 @@ class FakeNvml:
 class DirNvml:
     """A fake NVML kept in a directory, shared by separate processes.
 
-    `<dir>/cards.json`: `[{"uuid": "GPU-…", "total": bytes, "name": "…"}, …]`.
+    `<dir>/cards.json`: `[{"uuid": "GPU-…", "total": bytes, "name": "…", "bus_id": "…"}, …]`
+    (name and bus_id optional).
     A process "allocates" by writing `<dir>/procs/<pid>.json`:
     `{"uuid": "GPU-…", "bytes": n}` (write it atomically). Memory of a process that
     no longer exists shows as freed `release_delay_s` after this reader first
@@ -296,7 +299,13 @@ class DirNvml:
         try:
             raw = json.loads((directory / "cards.json").read_text())
             self._cards = [
-                FakeCard(i, str(c["uuid"]), int(c["total"]), str(c.get("name", "Fake GPU")))
+                FakeCard(
+                    i,
+                    str(c["uuid"]),
+                    int(c["total"]),
+                    str(c.get("name", "Fake GPU")),
+                    bus_id=str(c.get("bus_id", "")),
+                )
                 for i, c in enumerate(raw)
             ]
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -329,7 +338,8 @@ class DirNvml:
         out = []
         for c in self._cards:
             used = sum(p.used for p in usage if p.card_uuid == c.uuid)
-            out.append(Card(c.index, c.uuid, c.name, c.total, max(0, c.total - used), c.index))
+            free = max(0, c.total - used)
+            out.append(Card(c.index, c.uuid, c.name, c.total, free, c.index, c.bus_id))
         return out
 
     def processes(self) -> list[GpuProcess]:

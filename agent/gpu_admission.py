@@ -131,7 +131,12 @@ class GpuAdmission(Admission):
         self._task = asyncio.get_running_loop().create_task(self.sampler.run())
 
     async def started(self, front: Front) -> None:
-        pass  # the sampler runs from admission on, so loading is measured too
+        # The sampler runs from admission on, so loading is measured too. One more
+        # sample now puts the ready worker's PIDs in its reservation at once: until
+        # they are there, another admission counts this worker's memory twice (in
+        # NVML and as still to come) and would retire a provider for nothing.
+        if self.sampler is not None:
+            await self.sampler.step()
 
     async def released(self, front: Front) -> None:
         if self._task is not None:

@@ -8,6 +8,10 @@ cuda_worker.py serve --port P --bytes N
                                    id, bytes held), GET /alloc?bytes=N (hold N more),
                                    GET /slow?s=S (answer after S seconds)
 cuda_worker.py probe               print {"devices": n} or {"error": "..."} and exit
+
+With PROVIDERD_NVML_FAKE=<dir> set, the card is the fake one of agent.gpu.DirNvml:
+allocations are numbers written to <dir>/procs/<pid>.json, so the same scenarios run
+without a GPU (tests/integration/test_gpu_fake.py).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 CHUNK = 4 << 30
@@ -84,7 +89,66 @@ class Cuda:
                 nbytes -= n
 
 
-def info(cuda: Cuda) -> dict[str, object]:
+class FakeCuda:
+    """The fake card of agent.gpu.DirNvml, with the interface of `Cuda`.
+
+    Holds no memory: it writes what it would hold, plus a CUDA context, to
+    <dir>/procs/<pid>.json, which the fake NVML reads.
+    """
+
+    CONTEXT = 512 << 20  # the H200 showed ~0.5 GiB per process beyond its allocations
+
+    def __init__(self, directory: str) -> None:
+        self.dir = Path(directory)
+        self.cards = json.loads((self.dir / "cards.json").read_text())
+        self.card: dict[str, object] | None = None
+        self.held = 0
+        self.lock = threading.Lock()
+
+    def visible(self) -> list[dict[str, object]]:
+        names = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if names is None:
+            return list(self.cards)
+        wanted = [n.strip() for n in names.split(",") if n.strip()]
+        return [c for n in wanted for c in self.cards if c["uuid"] == n]
+
+    def count(self) -> int:
+        return len(self.visible())
+
+    def open(self) -> None:
+        cards = self.visible()
+        if not cards:
+            raise RuntimeError("cuInit failed: CUDA_ERROR_NO_DEVICE (100)")
+        self.card = cards[0]
+        self.write()
+
+    def current(self) -> None:
+        pass
+
+    def bus_id(self) -> str:
+        assert self.card is not None
+        return str(self.card.get("bus_id", ""))
+
+    def alloc(self, nbytes: int) -> None:
+        with self.lock:
+            self.held += nbytes
+            self.write()
+
+    def write(self) -> None:
+        assert self.card is not None
+        procs = self.dir / "procs"
+        procs.mkdir(exist_ok=True)
+        tmp = procs / f".{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"uuid": self.card["uuid"], "bytes": self.held + self.CONTEXT}))
+        tmp.rename(procs / f"{os.getpid()}.json")
+
+
+def open_cuda() -> Cuda | FakeCuda:
+    fake = os.environ.get("PROVIDERD_NVML_FAKE")
+    return FakeCuda(fake) if fake else Cuda()
+
+
+def info(cuda: Cuda | FakeCuda) -> dict[str, object]:
     return {
         "pid": os.getpid(),
         "bus_id": cuda.bus_id(),
@@ -94,7 +158,7 @@ def info(cuda: Cuda) -> dict[str, object]:
     }
 
 
-def serve(cuda: Cuda, port: int) -> None:
+def serve(cuda: Cuda | FakeCuda, port: int) -> None:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -136,11 +200,11 @@ def serve(cuda: Cuda, port: int) -> None:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["probe"]:
         try:
-            print(json.dumps({"devices": Cuda().count()}))
+            print(json.dumps({"devices": open_cuda().count()}))
         except (OSError, RuntimeError) as e:
             print(json.dumps({"error": str(e)}))
         return 0
-    cuda = Cuda()
+    cuda = open_cuda()
     cuda.open()
     if argv[:1] == ["hold"]:
         cuda.alloc(int(argv[1]))

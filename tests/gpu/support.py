@@ -2,6 +2,8 @@
 
 The tier runs under pytest (`pytest -m gpu tests/gpu`) or, on a host without pytest,
 under `tests/gpu/runner.py`; test functions take no arguments and call `skip()`.
+With PROVIDERD_NVML_FAKE set, NVML and the CUDA workers use the fake card of
+`agent.gpu.DirNvml` instead (`tests/integration/test_gpu_fake.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ WORKER = Path(__file__).resolve().parent / "cuda_worker.py"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from agent.gpu import GIB, MIB, Card, Nvml, NvmlUnavailable, RealNvml  # noqa: E402
+from agent.gpu import FAKE_ENV, GIB, MIB, Card, Nvml, NvmlUnavailable, open_nvml  # noqa: E402
 
 FIGURES: list[str] = []
 
@@ -47,11 +49,16 @@ def figure(name: str, value: str) -> None:
 _nvml: Nvml | None = None
 
 
+def fake() -> bool:
+    """Whether this run uses the fake card rather than a real GPU."""
+    return bool(os.environ.get(FAKE_ENV))
+
+
 def nvml() -> Nvml:
     global _nvml
     if _nvml is None:
         try:
-            _nvml = RealNvml()
+            _nvml = open_nvml()
         except NvmlUnavailable as e:
             skip(str(e))
     assert _nvml is not None
@@ -122,4 +129,4 @@ def norm_bus(bus: str) -> str:
     return bus.lower().split(":", 1)[1] if bus.count(":") == 2 else bus.lower()
 
 
-__all__ = ["GIB", "MIB", "Held", "Skip", "card", "figure", "nvml", "skip", "wait_free"]
+__all__ = ["GIB", "MIB", "Held", "Skip", "card", "fake", "figure", "nvml", "skip", "wait_free"]

@@ -120,8 +120,8 @@ def test_three_providers_over_budget_idle_release_and_placement() -> None:
     try:
         import agent.proxy
         import agent.serve  # noqa: F401
-    except ImportError as e:
-        skip(f"the foreground agent is not importable here: {e}")
+    except ImportError as why:
+        skip(f"the foreground agent is not importable here: {why}")
     c = card()
     share = int(c.total * 0.45)
     if c.free < 2 * share + 8 * GIB:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from agent.admission import (
 )
 from agent.footprint import Footprints
 from agent.gpu import GIB, FakeCard, FakeNvml
+from agent.gpu_admission import GpuAdmission
 from agent.model import Provider
 from agent.placement import Holder
 
@@ -368,3 +370,50 @@ def test_cards_status_names_who_holds_each_card(
     assert card["free_bytes"] == 80 * GIB
     monkeypatch.setenv("PROVIDERD_NVML_FAKE", str(tmp_path / "missing"))
     assert cards_status(rt) == []
+
+
+def test_a_ready_workers_memory_is_not_counted_twice_by_the_next_admission(
+    tmp_path: Path,
+) -> None:
+    """Right after a worker is ready, its reservation names its PIDs (not only at the
+    sampler's next tick), so the next start sees its memory once and retires nobody."""
+    nv, peers, fp = setup(tmp_path)
+
+    class Worker:
+        def __init__(self) -> None:
+            self.running: list[int] = []
+
+        async def pids(self) -> list[int]:
+            return self.running
+
+    class FrontStub:
+        log = logging.getLogger("test")
+
+        def release_worker(self, why: str) -> None:
+            raise AssertionError(why)
+
+    async def main() -> tuple[tuple[int, ...], tuple[str, ...]]:
+        worker, front = Worker(), FrontStub()
+        ga = GpuAdmission(
+            provider("first"), worker, nvml=nv, peers=peers, footprints=fp,
+            headroom_bytes=0, runtime_dir=peers.rt, interval_s=60,
+        )  # fmt: skip
+        await ga.admit(front)  # type: ignore[arg-type]
+        await asyncio.sleep(0.01)  # the sampler's first tick: no worker process yet
+        worker.running = [os.getpid()]  # the worker starts, loads 30 GiB, answers
+        nv.allocate(os.getpid(), CARD, 30 * GIB)
+        peers.holders["first"] = Holder("first", (CARD,), 36 * GIB, 0, 1.0)
+        peers.pids["first"] = os.getpid()
+        await ga.started(front)  # type: ignore[arg-type]
+        (mine,) = read_reservations(peers.rt)
+        second = await admit(
+            provider("second"), nv, peers, fp, timeout_s=1, headroom_bytes=0,
+            runtime_dir=peers.rt, poll_s=0.02,
+        )  # fmt: skip
+        await ga.released(front)  # type: ignore[arg-type]
+        second.release()
+        return mine.pids, second.retired
+
+    pids, retired = asyncio.run(main())
+    assert pids == (os.getpid(),)
+    assert retired == ()  # 80 GiB card: 30 used by first (need 36) + 36 for second fit
