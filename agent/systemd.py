@@ -109,12 +109,8 @@ class DbusSystemd:
         return variant.value
 
     async def set_properties(self, name: str, props: Sequence[tuple[str, str, Any]]) -> None:
-        from dbus_next.signature import Variant
-
         await self._unit(name)
-        await self._manager.call_set_unit_properties(
-            name, True, [[key, Variant(sig, value)] for key, sig, value in props]
-        )
+        await self._manager.call_set_unit_properties(name, True, property_values(props))
 
     async def watch(self, name: str, callback: StateCallback) -> None:
         unit = await self._unit(name)
@@ -135,3 +131,16 @@ class DbusSystemd:
     async def unit_pids(self, name: str) -> list[int]:
         processes = await self._manager.call_get_unit_processes(name)
         return [int(pid) for _cgroup, pid, _cmd in processes]
+
+
+def property_values(props: Sequence[tuple[str, str, Any]]) -> list[list[Any]]:
+    """SetUnitProperties' `a(sv)` argument. dbus-next wants lists for D-Bus structs, so
+    tuples (a `DeviceAllow=` rule is `("/dev/nvidia0", "rw")`) become lists."""
+    from dbus_next.signature import Variant
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, (tuple, list)):
+            return [plain(v) for v in value]
+        return value
+
+    return [[key, Variant(sig, plain(value))] for key, sig, value in props]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.systemd import StateCallback
+from agent.systemd import StateCallback, property_values
 
 
 @dataclass
@@ -107,6 +107,7 @@ class FakeSystemd:
 
     async def set_properties(self, name: str, props: Sequence[tuple[str, str, Any]]) -> None:
         self.calls.append(("set-property", name))
+        property_values(props)  # what the real adapter sends: raises if D-Bus would refuse it
         unit = self.unit(name)
         for key, _sig, value in props:
             if key == "DeviceAllow" and value == []:

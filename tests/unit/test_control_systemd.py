@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from agent.control import StartFailed, SystemdWorker
+from agent.systemd import property_values
 from tests.fakes.fake_systemd import Behaviour, FakeSystemd
 
 UNIT = "provider-worker@demo.service"
@@ -101,3 +102,21 @@ def test_requested_stop_is_not_a_crash() -> None:
     asyncio.run(go())
     assert reasons == []
     assert fake.unit(UNIT).active == "inactive"
+
+
+def test_device_rules_marshal_as_dbus_structs() -> None:
+    """dbus-next refuses a tuple for a struct ("(ss)"): the adapter must send lists."""
+    from dbus_next import Message
+
+    rules = [("/dev/nvidiactl", "rw"), ("/dev/nvidia0", "rw")]
+    body = property_values([("DeviceAllow", "a(ss)", []), ("DeviceAllow", "a(ss)", rules)])
+    assert body[1][1].value == [["/dev/nvidiactl", "rw"], ["/dev/nvidia0", "rw"]]
+    message = Message(
+        destination="org.freedesktop.systemd1",
+        path="/org/freedesktop/systemd1",
+        interface="org.freedesktop.systemd1.Manager",
+        member="SetUnitProperties",
+        signature="sba(sv)",
+        body=[UNIT, True, body],
+    )
+    assert message._marshall()  # what the bus would receive
