@@ -258,9 +258,9 @@ class Front:
             await asyncio.sleep(0.02)
         return None
 
-    def warm(self) -> None:
-        """Start the worker with no request (`providerctl warm`, a plain `systemctl start`)."""
-        self._dispatch(Event.DEMAND, "warm")
+    def warm(self, cause: str = "warm") -> None:
+        """Start the worker with no request (`providerctl warm`, an activation)."""
+        self._dispatch(Event.DEMAND, cause)
 
     def _unavailable(self) -> Unavailable:
         retry = max(1.0, self.backoff_until - time.monotonic())
@@ -318,7 +318,11 @@ class Front:
         self._start_began = loop.time()
         self._stopped.clear()
         waiting = len(self.waiters)
-        cause = "on request" if self._start_cause == "request" else f"({self._start_cause})"
+        cause = (
+            f"on {self._start_cause}"
+            if self._start_cause in ("request", "activation")
+            else f"({self._start_cause})"
+        )
         self.log.info(
             "Starting worker %s%s", cause, f", {waiting} request(s) waiting" if waiting else ""
         )
@@ -330,7 +334,9 @@ class Front:
             await asyncio.wait_for(
                 self.worker.start(env, devices), self.provider.start_timeout_s + 60
             )
-        except (StartFailed, Unavailable, TimeoutError, OSError) as e:
+        except Exception as e:  # any failure fails the start: held requests get a 503, never a hang
+            if not isinstance(e, (StartFailed, Unavailable, TimeoutError, OSError)):
+                self.log.error("Unexpected error while starting the worker", exc_info=e)
             took = loop.time() - self._start_began
             reason, tail = _describe_failure(e, self.provider.start_timeout_s)
             self.last_start = {"at": time.time(), "took_s": round(took, 3), "result": reason}
@@ -388,7 +394,12 @@ class Front:
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.log.error("Unexpected error in %s", task.get_coro(), exc_info=task.exception())
 
     def release(self, reason: str) -> None:
         """Let go for good (systemd mode): stop accepting, say STOPPING, stop the worker, exit."""
@@ -511,7 +522,9 @@ def _describe_failure(e: BaseException, timeout_s: float) -> tuple[str, list[str
         return e.error, []
     if isinstance(e, TimeoutError):
         return f"worker did not become ready within {timeout_s:g} s", []
-    return f"{e}", []
+    if isinstance(e, OSError):
+        return f"{e}", []
+    return f"internal error ({type(e).__name__}: {e})", []
 
 
 # ---------------------------------------------------------------------------- systemd entry
@@ -569,7 +582,7 @@ async def run_systemd(slug: str) -> int:
     server = await rpc.serve(paths.control_socket(slug), front.handle)
     front.start_accepting()
     notify("READY=1")
-    front.warm()  # activated by a connection (it waits in the queue) or by a plain start
+    front.warm("activation")  # by a connection (it waits in the queue) or a plain start
     loop = asyncio.get_running_loop()
     grace = provider.stop_timeout_s
     loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(front.stop(grace)))

@@ -18,8 +18,9 @@ RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 class InProcessWorker:
     """A WorkerControl whose "model" is an asyncio server in this process."""
 
-    def __init__(self, fail: str | None = None) -> None:
+    def __init__(self, fail: str | None = None, crash: Exception | None = None) -> None:
         self.fail = fail
+        self.crash = crash  # raised by start() as is: a bug below the front, not a refusal
         self.starts = 0
         self.stops = 0
         self.server: asyncio.AbstractServer | None = None
@@ -33,6 +34,8 @@ class InProcessWorker:
         self.starts += 1
         if self.fail:
             raise StartFailed(self.fail)
+        if self.crash is not None:
+            raise self.crash
 
         async def answer(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             self.writers.append(w)
@@ -159,6 +162,26 @@ def test_failed_start_refuses_during_backoff_without_restarting() -> None:
     assert all(a.startswith(b"HTTP/1.1 503") for a in answers), answers
     assert b"status 3" in answers[0] and b"Retry-After" in answers[0]
     assert starts == 1
+
+
+def test_an_unexpected_error_in_the_start_answers_503_instead_of_holding_forever() -> None:
+    """Regression: dbus-next refused the device rules with its own exception type, which
+    escaped the start task, so every held request waited until the client gave up."""
+
+    async def go() -> bytes:
+        sock = listener()
+        worker = InProcessWorker(
+            crash=ValueError('DBus STRUCT type "(" must be Python type "list"')
+        )
+        front = Front(provider(), worker, [sock], exit_on_idle=False)
+        front.start_accepting()
+        answer = await asyncio.wait_for(get(sock.getsockname()[1]), 5)
+        await shutdown(front, worker)
+        return answer
+
+    answer = asyncio.run(go())
+    assert answer.startswith(b"HTTP/1.1 503"), answer
+    assert b"internal error (ValueError" in answer
 
 
 def test_warm_while_the_worker_is_being_released_starts_it_again() -> None:
