@@ -26,7 +26,16 @@ from typing import Any, Protocol
 
 from agent import paths, rpc
 from agent.footprint import Footprints, write_atomic
-from agent.gpu import MIB, Card, GpuProcess, Nvml, NvmlUnavailable, gpu_status, open_nvml
+from agent.gpu import (
+    MIB,
+    Card,
+    GpuProcess,
+    Nvml,
+    NvmlUnavailable,
+    gpu_status,
+    open_nvml,
+    pid_exists,
+)
 from agent.model import Provider
 from agent.placement import (
     Holder,
@@ -106,15 +115,7 @@ class Reservation:
 
 
 def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return True  # unknown owner: keep
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid <= 0 or pid_exists(pid)  # an unknown owner (0): keep
 
 
 def read_reservations(runtime_dir: Path | None = None) -> list[Reservation]:

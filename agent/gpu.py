@@ -188,6 +188,17 @@ class RealNvml:
                 self._nv.nvmlShutdown()
 
 
+def pid_exists(pid: int) -> bool:
+    """Whether a process exists, also one this process may not see in /proc or signal."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def open_nvml() -> Nvml:
     """The NVML providerd uses: `DirNvml` when PROVIDERD_NVML_FAKE is set, else `RealNvml`."""
     fake = os.environ.get(FAKE_ENV)
@@ -325,10 +336,11 @@ class DirNvml:
                 proc = GpuProcess(pid, str(data["uuid"]), int(data["bytes"]))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            if not Path(f"/proc/{pid}").exists():
+            if not pid_exists(pid):
                 since = self._dead_since.setdefault(pid, now)
                 if now - since >= self.release_delay_s:
-                    f.unlink(missing_ok=True)
+                    with contextlib.suppress(OSError):  # another user's file: just skip it
+                        f.unlink()
                     continue
             out.append(proc)
         return out

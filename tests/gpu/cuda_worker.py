@@ -17,6 +17,7 @@ without a GPU (tests/integration/test_gpu_fake.py).
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import sys
@@ -48,6 +49,7 @@ class Cuda:
         self.ptrs: list[int] = []
         self.held = 0
         self.lock = threading.Lock()
+        self.nodes: dict[str, str] = {}  # the driver opens the device nodes itself
 
     def check(self, rc: int, what: str) -> None:
         if rc != 0:
@@ -93,7 +95,9 @@ class FakeCuda:
     """The fake card of agent.gpu.DirNvml, with the interface of `Cuda`.
 
     Holds no memory: it writes what it would hold, plus a CUDA context, to
-    <dir>/procs/<pid>.json, which the fake NVML reads.
+    <dir>/procs/<pid>.json, which the fake NVML reads. Like the driver, it opens the
+    NVIDIA device nodes that exist, and `nodes` says what each open gave: "ok", or
+    the errno ("EPERM": the device rules refuse it; "ENXIO": allowed, but no driver).
     """
 
     CONTEXT = 512 << 20  # the H200 showed ~0.5 GiB per process beyond its allocations
@@ -120,6 +124,7 @@ class FakeCuda:
         if not cards:
             raise RuntimeError("cuInit failed: CUDA_ERROR_NO_DEVICE (100)")
         self.card = cards[0]
+        self.nodes = {str(n): try_open(n) for n in sorted(Path("/dev").glob("nvidia*"))}
         self.write()
 
     def current(self) -> None:
@@ -140,7 +145,16 @@ class FakeCuda:
         procs.mkdir(exist_ok=True)
         tmp = procs / f".{os.getpid()}.tmp"
         tmp.write_text(json.dumps({"uuid": self.card["uuid"], "bytes": self.held + self.CONTEXT}))
+        tmp.chmod(0o644)  # a front without capabilities reads it, whoever this worker runs as
         tmp.rename(procs / f"{os.getpid()}.json")
+
+
+def try_open(path: Path) -> str:
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_CLOEXEC))
+    except OSError as e:
+        return errno.errorcode.get(e.errno or 0, str(e.errno))
+    return "ok"
 
 
 def open_cuda() -> Cuda | FakeCuda:
@@ -155,6 +169,7 @@ def info(cuda: Cuda | FakeCuda) -> dict[str, object]:
         "held_bytes": cuda.held,
         "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER"),
+        "nodes": cuda.nodes,
     }
 
 
