@@ -45,6 +45,7 @@ def vm(pytestconfig: pytest.Config) -> dict[str, dict[str, Any]]:
             HERE / "payload" / "run-tests",
             HERE / "payload" / "run_tests.py",
             REPO / "tests/system/probe_worker.py",
+            REPO / "tests/gpu/cuda_worker.py",
             deb,
         ):
             shutil.copy2(src, work / "payload" / src.name)

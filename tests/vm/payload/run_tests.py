@@ -1,14 +1,16 @@
 #!/usr/bin/python3
 """The VM tier's payload: runs inside the VM (systemd PID 1, pure cgroup v2), as root.
 
-It installs the .deb with apt, writes manifests whose workers hit their limits, drives
-them with real requests, and prints one JSON object per line, `{"check": NAME, ...}`,
-to the second serial port. The host (tests/vm/test_limits.py) asserts on them; this
-script only observes and never decides pass or fail.
+It installs the .deb with apt, writes manifests whose workers hit their limits and GPU
+providers on two fake cards (with the kernel's real device rules), drives them with
+real requests, and prints one JSON object per line, `{"check": NAME, ...}`, to the
+second serial port. The host (tests/vm/test_limits.py, test_gpu.py) asserts on them;
+this script only observes and never decides pass or fail.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -34,9 +36,9 @@ def emit(check: str, **data: Any) -> None:
     print(json.dumps({"check": check, "at_s": round(time.monotonic() - T0, 1), **data}), flush=True)
 
 
-def sh(cmd: str, timeout: float = 300) -> dict[str, Any]:
+def sh(cmd: str, timeout: float = 300, keep: int = 6000) -> dict[str, Any]:
     p = subprocess.run(["/bin/bash", "-c", cmd], capture_output=True, text=True, timeout=timeout)
-    return {"rc": p.returncode, "out": p.stdout[-6000:], "err": p.stderr[-4000:]}
+    return {"rc": p.returncode, "out": p.stdout[-keep:], "err": p.stderr[-4000:]}
 
 
 def get(url: str, timeout: float = 120) -> dict[str, Any]:
@@ -86,9 +88,164 @@ PROVIDERS = {
 }
 
 
+# GPU providers under systemd, on two fake cards: NVML is agent.gpu.DirNvml (the
+# workers write what they hold to its directory), the device nodes are real nodes of
+# NVIDIA's major with no driver behind them. So opening one gives ENXIO where the
+# worker's device rules allow it, and EPERM where the kernel's device cgroup refuses.
+FAKE_NVML = "/var/lib/providerd-ci-gpu"
+CUDA_WORKER = f"{CI}/cuda_worker.py"
+GIB = 1 << 30
+CARDS = [
+    {"uuid": f"GPU-00000000-0000-4000-8000-00000000000{i}", "name": "Fake GPU", "total": 16 * GIB}
+    for i in range(2)
+]
+GPU_PROVIDERS = {
+    # 10 GiB budgets on 16 GiB cards: one per card, so a third start must retire one
+    "gpu_a": (19011, 8 * GIB, 10, 60),
+    "gpu_b": (19012, 8 * GIB, 10, 60),
+    "gpu_c": (19013, 8 * GIB, 10, 60),
+    # a 3 s idle timeout: the card's memory must be back within a second of the deadline
+    "gpu_idle": (19014, 1 * GIB, 2, 3),
+}
+
+
+def gpu_manifest(port: int, nbytes: int, budget_gib: int, idle: float) -> str:
+    argv = ["/usr/bin/python3", CUDA_WORKER, "serve", "--port", "{port}", "--bytes", str(nbytes)]
+    return (
+        f'description = "VM tier GPU provider"\n[listen]\naddress = "127.0.0.1:{port}"\n'
+        f'protocol = "http"\n[runtime]\ncommand = {json.dumps(argv)}\nready = "http:/health"\n'
+        f"start_timeout_s = 120\nrequest_timeout_s = 120\nidle_timeout_s = {idle}\n"
+        f'[gpu]\ndevices = "auto"\nvram_budget_gb = {budget_gib}\nenforce = "stop"\n'
+    )
+
+
+def setup_fake_gpus() -> None:
+    os.makedirs(f"{FAKE_NVML}/procs", exist_ok=True)
+    os.chmod(f"{FAKE_NVML}/procs", 0o1777)
+    Path(f"{FAKE_NVML}/cards.json").write_text(json.dumps(CARDS))
+    for name, minor in (("nvidia0", 0), ("nvidia1", 1), ("nvidiactl", 255)):
+        os.mknod(f"/dev/{name}", 0o666 | 0o020000, os.makedev(195, minor))
+        os.chmod(f"/dev/{name}", 0o666)
+    for unit, extra in (
+        ("provider@.service", ""),
+        ("provider-worker@.service", f"ReadWritePaths={FAKE_NVML}/procs\n"),
+    ):
+        d = Path(f"/etc/systemd/system/{unit}.d")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "ci-fake-gpu.conf").write_text(
+            f"[Service]\nEnvironment=PROVIDERD_NVML_FAKE={FAKE_NVML}\n{extra}"
+        )
+    shutil.copy("/ci/cuda_worker.py", CUDA_WORKER)
+    os.chmod(CUDA_WORKER, 0o755)
+    for slug, (port, nbytes, budget, idle) in GPU_PROVIDERS.items():
+        with open(f"/etc/providerd/providers/{slug}.toml", "w") as f:
+            f.write(gpu_manifest(port, nbytes, budget, idle))
+
+
+@functools.cache
+def fake_nvml() -> Any:
+    """One reader for the whole run: it times the release delay from the exit it first saw."""
+    from agent.gpu import DirNvml  # the installed package, as the fronts use it
+
+    return DirNvml(Path(FAKE_NVML))
+
+
+def card_free(uuid: str) -> int:
+    return int(next(c.free for c in fake_nvml().cards() if c.uuid == uuid))
+
+
+def gpu_checks() -> None:
+    url = {slug: f"http://127.0.0.1:{port}" for slug, (port, *_) in GPU_PROVIDERS.items()}
+    t = time.monotonic()
+    a = get(f"{url['gpu_a']}/info", timeout=60)
+    a_s = time.monotonic() - t
+    b = get(f"{url['gpu_b']}/info")
+    emit(
+        "gpu_placement",
+        a=a,
+        b=b,
+        cold_start_s=round(a_s, 2),
+        allow={
+            s: unit_props(f"provider-worker@{s}.service", "DeviceAllow", "DevicePolicy")
+            for s in ("gpu_a", "gpu_b")
+        },
+        journal=sh(
+            "journalctl -q -o cat -u provider@gpu_a.service -u provider-worker@gpu_a.service"
+        )["out"],
+    )
+
+    # a is the least recently used but busy: c's start must retire b, never a.
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(get, f"{url['gpu_a']}/slow?s=10")
+        time.sleep(2)
+        t = time.monotonic()
+        c = get(f"{url['gpu_c']}/info")
+        c_s = time.monotonic() - t
+        active = {
+            s: sh(f"systemctl is-active provider-worker@{s}.service")["out"].strip()
+            for s in ("gpu_a", "gpu_b", "gpu_c")
+        }
+        status = sh(
+            f"PROVIDERD_NVML_FAKE={FAKE_NVML} providerctl status gpu_a gpu_b gpu_c --json",
+            keep=60000,
+        )
+        a_slow = slow.result()
+    emit(
+        "gpu_retire",
+        c=c,
+        start_s=round(c_s, 2),
+        active=active,
+        slow=a_slow,
+        status=status,
+        journal=sh("journalctl -q -o cat -u provider@gpu_b.service -u provider@gpu_c.service")[
+            "out"
+        ],
+    )
+
+    # Over budget: c grows past its 10 GiB and is stopped by its front.
+    t = time.monotonic()
+    grow = get(f"{url['gpu_c']}/alloc?bytes={4 * GIB}", timeout=30)
+    state = ""
+    while time.monotonic() - t < 30:
+        state = sh("systemctl is-active provider-worker@gpu_c.service")["out"].strip()
+        if state != "active":
+            break
+        time.sleep(0.1)
+    emit(
+        "gpu_over_budget",
+        grow=grow,
+        state=state,
+        stopped_after_s=round(time.monotonic() - t, 2),
+        journal=sh("journalctl -q -o cat -u provider@gpu_c.service")["out"],
+    )
+
+    # Idle deadline: the card's memory is back within a second of it.
+    idle = get(f"{url['gpu_idle']}/info")
+    done = time.monotonic()  # its last request has ended: the idle timer runs from here
+    uuid = (idle.get("body") and json.loads(idle["body"]).get("CUDA_VISIBLE_DEVICES")) or ""
+    back = None
+    if idle["status"] == 200:
+        during = card_free(uuid)
+        while time.monotonic() < done + 3 + 30:
+            if card_free(uuid) >= during + GIB:
+                back = round(time.monotonic() - (done + 3), 3)
+                break
+            time.sleep(0.01)
+    emit(
+        "gpu_idle",
+        idle=idle,
+        back_after_deadline_s=back,
+        worker=sh("systemctl is-active provider-worker@gpu_idle.service")["out"].strip(),
+        journal=sh("journalctl -q -o cat -u provider@gpu_idle.service")["out"],
+    )
+
+
 def unit_props(unit: str, *names: str) -> dict[str, str]:
     out = sh(f"systemctl show {unit} " + " ".join(f"-p {n}" for n in names))["out"]
-    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    props: dict[str, str] = {}
+    for key, _, value in (line.partition("=") for line in out.splitlines() if "=" in line):
+        props[key] = f"{props[key]}; {value}" if key in props else value  # DeviceAllow= repeats
+    return props
 
 
 def main() -> int:
@@ -114,6 +271,7 @@ def main() -> int:
     for slug, (port, args, limits) in PROVIDERS.items():
         with open(f"/etc/providerd/providers/{slug}.toml", "w") as f:
             f.write(manifest(port, args, limits))
+    setup_fake_gpus()
     emit("reload", **sh("providerctl reload"))
 
     # --- memory_max while loading: three requests held, the worker OOM-killed -------
@@ -182,6 +340,9 @@ def main() -> int:
         status_json=sh("providerctl status memory --json"),
         status_text=sh("providerctl status memory"),
     )
+
+    # --- GPU providers: placement, device rules, retirement, budget, idle release ---
+    gpu_checks()
 
     # --- stopping everything is prompt (no unit waits out its stop timeout) ----------
     cursor = sh("journalctl -n0 --show-cursor -q")["out"].strip().removeprefix("-- cursor: ")
