@@ -107,3 +107,24 @@ def test_a_bad_manifest_leaves_the_others_alone(ct: Container, provider: Provide
     problems = [line for line in (check.out + check.err).splitlines() if "bad.toml" in line]
     assert problems and "limits.memory_maximum" in problems[0], str(check)
     assert "memory_max" in problems[0], "no 'did you mean' for a close key"
+
+
+def test_a_gpu_provider_on_a_host_without_nvidia_gets_503_saying_why(
+    ct: Container, provider: Provider
+) -> None:
+    """No driver here: the GPU provider's requests are refused with NVML's reason, the
+    port stays, and a CPU provider next to it serves as usual."""
+    gpu, cpu = 18024, 18025
+    provider.add("needs_gpu", probe_manifest(gpu, extra='[gpu]\ndevices = "auto"\n'), reload=False)
+    provider.add("cpu_next_door", probe_manifest(cpu))
+    r = ct.sh(f"curl -sS -m 60 -w '\\n%{{http_code}}' http://127.0.0.1:{gpu}/", check=False)
+    body, _, code = r.out.rpartition("\n")
+    assert code == "503", r
+    doc = json.loads(body)
+    assert doc["provider"] == "needs_gpu"
+    assert "NVML is unavailable" in doc["error"], doc
+    assert ct.listening(gpu)
+    assert ct.active("provider-worker@needs_gpu.service") == "inactive"
+    r = ct.sh(f"curl -sS -m 60 -o /dev/null -w '%{{http_code}}' http://127.0.0.1:{cpu}/")
+    assert r.out == "200", r
+    assert "NVML is unavailable" in ct.journal("-u provider@needs_gpu.service")
