@@ -335,10 +335,16 @@ class Front:
                 self.worker.start(env, devices), self.provider.start_timeout_s + 60
             )
         except Exception as e:  # any failure fails the start: held requests get a 503, never a hang
-            if not isinstance(e, (StartFailed, Unavailable, TimeoutError, OSError)):
-                self.log.error("Unexpected error while starting the worker", exc_info=e)
             took = loop.time() - self._start_began
-            reason, tail = _describe_failure(e, self.provider.start_timeout_s)
+            if isinstance(e, (StartFailed, Unavailable, TimeoutError, OSError)):
+                reason, tail = _describe_failure(e, self.provider.start_timeout_s)
+            else:  # a bug, or the bus: the details are for the journal, not for clients
+                self.log.error("Failed to start the worker: unexpected error", exc_info=e)
+                slug = self.provider.slug
+                reason = (
+                    f"internal error while starting the worker; see journalctl -u provider@{slug}"
+                )
+                tail = []
             self.last_start = {"at": time.time(), "took_s": round(took, 3), "result": reason}
             if self.state != State.STARTING:
                 return  # released while starting: the stop reports
@@ -368,8 +374,8 @@ class Front:
         self.generation += 1
         self.last_start = {"at": time.time(), "took_s": round(took, 3), "result": "ready"}
         self.log.info("Worker ready after %.1f s", took)
-        await self.admission.started(self)
         self._dispatch(Event.STARTED)
+        self._spawn(self.admission.started(self))
 
     async def _stop_worker(self) -> None:
         began = asyncio.get_running_loop().time()
@@ -399,7 +405,8 @@ class Front:
     def _background_done(self, task: asyncio.Task[None]) -> None:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            self.log.error("Unexpected error in %s", task.get_coro(), exc_info=task.exception())
+            what = getattr(task.get_coro(), "__qualname__", "a background task")
+            self.log.error("Failed to finish %s", what, exc_info=task.exception())
 
     def release(self, reason: str) -> None:
         """Let go for good (systemd mode): stop accepting, say STOPPING, stop the worker, exit."""
@@ -522,9 +529,7 @@ def _describe_failure(e: BaseException, timeout_s: float) -> tuple[str, list[str
         return e.error, []
     if isinstance(e, TimeoutError):
         return f"worker did not become ready within {timeout_s:g} s", []
-    if isinstance(e, OSError):
-        return f"{e}", []
-    return f"internal error ({type(e).__name__}: {e})", []
+    return f"{e}", []
 
 
 # ---------------------------------------------------------------------------- systemd entry

@@ -181,7 +181,8 @@ def test_an_unexpected_error_in_the_start_answers_503_instead_of_holding_forever
 
     answer = asyncio.run(go())
     assert answer.startswith(b"HTTP/1.1 503"), answer
-    assert b"internal error (ValueError" in answer
+    assert b"internal error while starting the worker; see journalctl -u provider@t" in answer
+    assert b"DBus" not in answer  # the details are for the journal
 
 
 def test_warm_while_the_worker_is_being_released_starts_it_again() -> None:
