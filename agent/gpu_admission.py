@@ -10,7 +10,6 @@ peak as the footprint and drop the reservation. (`cards_status()`, for
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -135,14 +134,19 @@ class GpuAdmission(Admission):
         # sample now puts the ready worker's PIDs in its reservation at once: until
         # they are there, another admission counts this worker's memory twice (in
         # NVML and as still to come) and would retire a provider for nothing.
+        # step() never raises: a failed sample is logged and the loop tries again.
         if self.sampler is not None:
             await self.sampler.step()
 
     async def released(self, front: Front) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await self._task
+            except asyncio.CancelledError:
+                pass
+            except Exception as e:  # never in the way of the release
+                front.log.error("Failed to sample VRAM: %s", e)
             self._task = None
         if self.sampler is not None and self.sampler.peak_bytes > 0:
             try:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
-from agent.gpu import GpuProcess, Nvml, NvmlUnavailable, format_bytes
+from agent.gpu import GpuProcess, Nvml, format_bytes
 from agent.model import Enforce
 
 log = logging.getLogger(__name__)
@@ -177,14 +177,14 @@ class VramSampler:
         return Overage(self.slug, worst[0], worst[1], self.enforcer.budget, action)
 
     async def step(self) -> None:
-        pids = frozenset(await self._pids())
-        if pids != self._last_pids:
-            self._last_pids = pids
-            if self._on_pids is not None:
-                self._on_pids(pids)
         try:
+            pids = frozenset(await self._pids())
+            if pids != self._last_pids:
+                if self._on_pids is not None:
+                    self._on_pids(pids)
+                self._last_pids = pids
             over = self.sample(pids)
-        except NvmlUnavailable as e:
+        except Exception as e:  # NVML, the bus, the reservation file: the next step tries again
             if not self._failing:
                 log.warning("Failed to sample VRAM of %s: %s, ignoring", self.slug, e)
                 self._failing = True

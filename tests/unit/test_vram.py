@@ -167,3 +167,39 @@ def test_sampler_reports_pid_changes_and_survives_nvml_errors(
     )
     assert changes == [frozenset({10, 11})]
     assert isinstance(NvmlUnavailable("x"), RuntimeError)
+
+
+def test_sampler_survives_a_failing_pid_lookup_and_reservation_write(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The unit's PIDs come over D-Bus and go to a file: either may fail for a while.
+    The step logs once and the next one tries again; it never raises into the front."""
+    nv = FakeNvml([FakeCard(0, "GPU-a", 80 * GIB)])
+    nv.allocate(10, "GPU-a", 3 * GIB)
+    failures = {"pids": 2, "write": 1}
+    written: list[frozenset[int]] = []
+
+    async def pids() -> list[int]:
+        if failures["pids"]:
+            failures["pids"] -= 1
+            raise RuntimeError("org.freedesktop.DBus.Error.NoReply")
+        return [10]
+
+    def on_pids(p: frozenset[int]) -> None:
+        if failures["write"]:
+            failures["write"] -= 1
+            raise OSError(28, "No space left on device")
+        written.append(p)
+
+    async def on_over(o: Overage) -> None:
+        raise AssertionError(o)
+
+    s = VramSampler(
+        nv, "esm", pids, budget_bytes=8 * GIB, enforce="stop", on_over=on_over,
+        on_pids=on_pids, proc=FakeProc({10: (10,)}),
+    )  # fmt: skip
+    for _ in range(4):
+        asyncio.run(s.step())
+    assert written == [frozenset({10})]  # the failed write was tried again
+    assert s.used_bytes == 3 * GIB
+    assert caplog.text.count("Failed to sample VRAM of esm") == 1
