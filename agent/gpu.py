@@ -190,6 +190,8 @@ class RealNvml:
 
 def pid_exists(pid: int) -> bool:
     """Whether a process exists, also one this process may not see in /proc or signal."""
+    if pid <= 0:
+        return False  # kill() would mean a process group
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
