@@ -87,7 +87,10 @@ def test_the_cards_memory_is_back_within_a_second_of_the_idle_deadline(
     vm: dict[str, dict[str, Any]],
 ) -> None:
     check = vm["gpu_idle"]
-    ok(check["idle"])
+    idle = ok(check["idle"])
+    a = ok(vm["gpu_placement"]["a"])
+    # the card with the most free memory: not a's, since c was stopped on the other one
+    assert idle["CUDA_VISIBLE_DEVICES"] != a["CUDA_VISIBLE_DEVICES"], check["journal"]
     back = check["back_after_deadline_s"]
     assert back is not None, check["journal"]
     assert -0.5 < back < 1.0, check

@@ -126,14 +126,13 @@ def setup_fake_gpus() -> None:
     for name, minor in (("nvidia0", 0), ("nvidia1", 1), ("nvidiactl", 255)):
         os.mknod(f"/dev/{name}", 0o666 | 0o020000, os.makedev(195, minor))
         os.chmod(f"/dev/{name}", 0o666)
-    for unit, extra in (
-        ("provider@.service", ""),
-        ("provider-worker@.service", f"ReadWritePaths={FAKE_NVML}/procs\n"),
-    ):
+    # Workers write their files; fronts, like any reader, remove those of exited workers.
+    for unit in ("provider@.service", "provider-worker@.service"):
         d = Path(f"/etc/systemd/system/{unit}.d")
         d.mkdir(parents=True, exist_ok=True)
         (d / "ci-fake-gpu.conf").write_text(
-            f"[Service]\nEnvironment=PROVIDERD_NVML_FAKE={FAKE_NVML}\n{extra}"
+            f"[Service]\nEnvironment=PROVIDERD_NVML_FAKE={FAKE_NVML}\n"
+            f"ReadWritePaths={FAKE_NVML}/procs\n"
         )
     shutil.copy("/ci/cuda_worker.py", CUDA_WORKER)
     os.chmod(CUDA_WORKER, 0o755)
@@ -208,7 +207,7 @@ def gpu_checks() -> None:
     state = ""
     while time.monotonic() - t < 30:
         state = sh("systemctl is-active provider-worker@gpu_c.service")["out"].strip()
-        if state != "active":
+        if state in ("inactive", "failed"):
             break
         time.sleep(0.1)
     emit(
@@ -220,6 +219,8 @@ def gpu_checks() -> None:
     )
 
     # Idle deadline: the card's memory is back within a second of it.
+    fake_nvml().cards()  # this reader has now seen every exited worker so far …
+    time.sleep(0.5)  # … and, as NVML would, no longer counts their memory
     idle = get(f"{url['gpu_idle']}/info")
     done = time.monotonic()  # its last request has ended: the idle timer runs from here
     uuid = (idle.get("body") and json.loads(idle["body"]).get("CUDA_VISIBLE_DEVICES")) or ""
