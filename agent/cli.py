@@ -93,6 +93,11 @@ def _unit_active(unit: str) -> str:
     return result.stdout.strip() or "unknown"
 
 
+# `providerctl status --json` (docs/status.md): fields are only added within a version;
+# a field removed or changed in meaning raises it.
+STATUS_VERSION = 1
+
+
 def provider_status(slug: str, provider: Any) -> dict[str, Any]:
     """One provider's status: from its front when it runs, else what the manifest says."""
     status: dict[str, Any]
@@ -180,7 +185,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     statuses = [provider_status(slug, providers.get(slug)) for slug in slugs]
     cards = _gpu_cards()
     if args.json:
-        json.dump({"providers": statuses, "gpus": cards}, sys.stdout, indent=2)
+        doc = {"version": STATUS_VERSION, "providers": statuses, "gpus": cards}
+        json.dump(doc, sys.stdout, indent=2)
         print()
     else:
         for i, status in enumerate(statuses):
