@@ -76,6 +76,27 @@ def test_status_json_says_who_holds_each_card(vm: dict[str, dict[str, Any]]) -> 
     assert providers["gpu_a"]["gpu"]["used_bytes"] >= 8 << 30  # sampled from the unit's PIDs
 
 
+def test_no_room_refuses_naming_the_busy_holders_and_never_cuts_them(
+    vm: dict[str, dict[str, Any]],
+) -> None:
+    check = vm["gpu_refused"]
+    assert check["d"]["status"] == 503, check["d"]
+    doc = json.loads(check["d"]["body"])
+    assert doc["provider"] == "gpu_d"
+    assert doc["error"].startswith("Not enough GPU memory for gpu_d"), doc
+    holders = {h["slug"]: h for h in doc["holders"]}
+    assert set(holders) == {"gpu_a", "gpu_c"}, doc
+    assert all(h["busy"] and h["requests_in_flight"] >= 1 for h in holders.values()), doc
+    assert "/" not in json.dumps(doc["holders"])  # no host paths, no addresses
+    assert 3.5 < check["d_s"] < 30, check  # it waited its start timeout (4 s) for room
+    assert all(ok(r) for r in check["busy"])  # the busy ones were served, never cut
+    assert check["worker"] == "inactive"
+    assert check["huge"]["status"] == 503, check["huge"]
+    assert json.loads(check["huge"]["body"])["provider"] == "gpu_huge"
+    assert check["huge_s"] < 60, check  # can never fit: refused without waiting its 120 s
+    print(f"refused after {check['d_s']} s (start timeout 4 s); too large: {check['huge_s']} s")
+
+
 def test_a_worker_over_its_vram_budget_is_stopped(vm: dict[str, dict[str, Any]]) -> None:
     check = vm["gpu_over_budget"]
     assert check["state"] in ("inactive", "failed"), check

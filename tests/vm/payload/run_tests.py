@@ -106,15 +106,21 @@ GPU_PROVIDERS = {
     "gpu_c": (19013, 8 * GIB, 10, 60),
     # a 3 s idle timeout: the card's memory must be back within a second of the deadline
     "gpu_idle": (19014, 1 * GIB, 2, 3),
+    # both cards busy: it may wait 4 s for room, then its requests are refused
+    "gpu_d": (19015, 8 * GIB, 10, 60),
+    # more than a card holds: refused at once
+    "gpu_huge": (19016, 8 * GIB, 20, 60),
 }
+START_TIMEOUT_S = {"gpu_d": 4}
 
 
-def gpu_manifest(port: int, nbytes: int, budget_gib: int, idle: float) -> str:
+def gpu_manifest(slug: str, port: int, nbytes: int, budget_gib: int, idle: float) -> str:
     argv = ["/usr/bin/python3", CUDA_WORKER, "serve", "--port", "{port}", "--bytes", str(nbytes)]
+    start = START_TIMEOUT_S.get(slug, 120)
     return (
         f'description = "VM tier GPU provider"\n[listen]\naddress = "127.0.0.1:{port}"\n'
         f'protocol = "http"\n[runtime]\ncommand = {json.dumps(argv)}\nready = "http:/health"\n'
-        f"start_timeout_s = 120\nrequest_timeout_s = 120\nidle_timeout_s = {idle}\n"
+        f"start_timeout_s = {start}\nrequest_timeout_s = 120\nidle_timeout_s = {idle}\n"
         f'[gpu]\ndevices = "auto"\nvram_budget_gb = {budget_gib}\nenforce = "stop"\n'
     )
 
@@ -138,7 +144,7 @@ def setup_fake_gpus() -> None:
     os.chmod(CUDA_WORKER, 0o755)
     for slug, (port, nbytes, budget, idle) in GPU_PROVIDERS.items():
         with open(f"/etc/providerd/providers/{slug}.toml", "w") as f:
-            f.write(gpu_manifest(port, nbytes, budget, idle))
+            f.write(gpu_manifest(slug, port, nbytes, budget, idle))
 
 
 @functools.cache
@@ -199,6 +205,28 @@ def gpu_checks() -> None:
         journal=sh("journalctl -q -o cat -u provider@gpu_b.service -u provider@gpu_c.service")[
             "out"
         ],
+    )
+
+    # No room: a and c both busy, so d waits its 4 s start timeout and is refused with
+    # the holders named; a provider larger than any card is refused at once.
+    with ThreadPoolExecutor(2) as pool:
+        busy = [pool.submit(get, f"{url[s]}/slow?s=10") for s in ("gpu_a", "gpu_c")]
+        time.sleep(2)
+        t = time.monotonic()
+        d = get(f"{url['gpu_d']}/info", timeout=60)
+        d_s = time.monotonic() - t
+        t = time.monotonic()
+        huge = get(f"{url['gpu_huge']}/info", timeout=60)
+        huge_s = time.monotonic() - t
+        served = [f.result() for f in busy]
+    emit(
+        "gpu_refused",
+        d=d,
+        d_s=round(d_s, 2),
+        huge=huge,
+        huge_s=round(huge_s, 2),
+        busy=served,
+        worker=sh("systemctl is-active provider-worker@gpu_d.service")["out"].strip(),
     )
 
     # Over budget: c grows past its 10 GiB and is stopped by its front.
