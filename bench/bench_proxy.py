@@ -8,7 +8,8 @@ backend that is always ready (a separate process, like proxyd). Both proxies get
 listening socket as fd 3 (LISTEN_FDS=1, LISTEN_PID).
 
 Prints, side by side: latency p50/p99 of small requests (keep-alive, and a new
-connection per request) and the latency each proxy adds over direct; throughput of a
+connection per request) and the latency each proxy adds over direct; the CPU time each
+proxy spends per keep-alive request (its own process, kernel included); throughput of a
 100 MiB body in each direction; resident memory per idle keep-alive connection while
 1,000 are held. Writes the table to bench/results/proxy.txt.
 
@@ -116,6 +117,12 @@ def spawn_activated(argv: list[str], sock: socket.socket) -> subprocess.Popen[by
 
 def wait_until_listening(address: Address) -> None:
     wait_listening(lambda: request(address, SMALL, len(SMALL_RESPONSE)))
+
+
+def cpu_s(pid: int) -> float:
+    """CPU time (user + system) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_bytes(pid: int) -> int:
@@ -248,9 +255,13 @@ def run(quick: bool) -> str:
         for address in paths.values():
             keep_alive_us(address, 300)  # warm up
             new_connection_us(address, 50)
+        cpu: dict[str, float] = dict.fromkeys(pids, 0.0)  # during the keep-alive requests
         for _ in range(rounds):
             for name, address in paths.items():
+                before = cpu_s(pids[name]) if name in pids else 0.0
                 keep[name] += keep_alive_us(address, n_keep // rounds)
+                if name in pids:
+                    cpu[name] += cpu_s(pids[name]) - before
                 new[name] += new_connection_us(address, n_new // rounds)
         for _ in range(reps):
             for name, address in paths.items():
@@ -267,7 +278,8 @@ def run(quick: bool) -> str:
                 proc.kill()
                 proc.wait()
 
-    return table(keep, new, down, up, memory, n_keep, n_new, reps)
+    per_request = {name: cpu[name] / (n_keep // rounds * rounds) * 1e6 for name in cpu}
+    return table(keep, new, down, up, memory, per_request, n_keep, n_new, reps)
 
 
 def table(
@@ -276,6 +288,7 @@ def table(
     down: dict[str, list[float]],
     up: dict[str, list[float]],
     memory: dict[str, float],
+    cpu_us: dict[str, float],
     n_keep: int,
     n_new: int,
     reps: int,
@@ -307,6 +320,15 @@ def table(
             add(row.format(f"  added p{p} (µs)", "", f"{a_proxyd:.0f}", f"{a_ours:.0f}", ratio))
 
     latency("keep-alive", keep, n_keep)
+    add(
+        row.format(
+            "  proxy CPU per request (µs)",
+            "",
+            f"{cpu_us['proxyd']:.0f}",
+            f"{cpu_us['ours']:.0f}",
+            f"{cpu_us['ours'] / cpu_us['proxyd']:.2f}x" if cpu_us["proxyd"] > 0 else "n/a",
+        )
+    )
     latency("new connection", new, n_new)
     for label, samples in (
         (f"download 100 MiB (MB/s, median of {reps})", down),
