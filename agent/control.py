@@ -293,6 +293,7 @@ class ProcessWorker:
         self._on_exit: ExitCallback = lambda _reason: None
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
+        worker.preload()  # _spawn forks the wrapper from here: it finds ctypes loaded
 
     def on_exit(self, callback: ExitCallback) -> None:
         self._on_exit = callback

@@ -494,8 +494,23 @@ class Wrapper:
         return code
 
 
+_PDEATHSIG: list[Callable[[], object] | None] = []  # the setter, once loaded
+
+
+def preload() -> None:
+    """Load now what a wrapper loads before its model starts (ctypes, for prctl()), so a
+    wrapper forked from this process (foreground mode) does not load it on each cold start."""
+    _pdeathsig_setter()
+
+
 def _pdeathsig_setter() -> Callable[[], object] | None:
     """A function that asks the kernel to SIGKILL the calling process when its parent dies."""
+    if not _PDEATHSIG:
+        _PDEATHSIG.append(_load_pdeathsig_setter())
+    return _PDEATHSIG[0]
+
+
+def _load_pdeathsig_setter() -> Callable[[], object] | None:
     try:
         import ctypes
 
