@@ -114,7 +114,7 @@ def test_a_gpu_provider_on_a_host_without_nvidia_gets_503_saying_why(
 ) -> None:
     """No driver here: the GPU provider's requests are refused with NVML's reason, the
     port stays, and a CPU provider next to it serves as usual."""
-    gpu, cpu = 18024, 18025
+    gpu, cpu = 18026, 18027
     provider.add("needs_gpu", probe_manifest(gpu, extra='[gpu]\ndevices = "auto"\n'), reload=False)
     provider.add("cpu_next_door", probe_manifest(cpu))
     r = ct.sh(f"curl -sS -m 60 -w '\\n%{{http_code}}' http://127.0.0.1:{gpu}/", check=False)
