@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent import paths
-from agent.manifest import Invalid, did_you_mean, expect_bool, parse_address, quote, unknown_table
 from agent.model import Address, Problem
 from agent.units import UNIT_DIR, Link
+from agent.values import Invalid, did_you_mean, expect_bool, parse_address, quote, unknown_table
 
 ROUTER_SOCKET = "providerd-router.socket"
 ROUTER_SERVICE = "providerd-router.service"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-# Kinds the validator knows (agent.manifest._CONVERTERS has one function per kind).
+# Kinds the validator knows (agent.values.CONVERTERS has one function per kind).
 KINDS = (
     "string",
     "bool",

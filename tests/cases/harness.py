@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from agent.manifest import Host
+from agent.values import Host
 
 CASES = Path(__file__).resolve().parent
 REPO = CASES.parent.parent

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from cases.harness import ANY_PATHS_HOST, CASE_HOST, CASES, EXAMPLES, directives, install, write
 
-from agent import keys, manifest, units
+from agent import keys, manifest, units, values
 from agent.model import Address, Provider, Ready
 
 INVALID = sorted((CASES / "invalid").glob("*.toml"))
@@ -93,7 +93,7 @@ def test_every_key_fills_a_provider_field() -> None:
     fields = {f.name for f in dataclasses.fields(Provider)}
     for key in keys.KEYS:
         assert manifest._field(key) in fields, key.dotted
-        assert key.kind in keys.KINDS and key.kind in manifest._CONVERTERS
+        assert key.kind in keys.KINDS and key.kind in values.CONVERTERS
 
 
 def test_gpu_table_defaults_to_auto(tmp_path: Path) -> None:
