@@ -132,20 +132,20 @@ def _conv_int(value: object, key: Key, host: Host) -> int:
     return value
 
 
-def _conv_seconds(value: object, key: Key, host: Host) -> float:
+def _number(value: object, key: Key, expected: str, unit: str) -> float:
     if not _is_number(value):
-        raise Invalid(f"expected a number of seconds from {key.range_text()}, got {quote(value)}")
+        raise Invalid(f"expected {expected}, got {quote(value)}")
     assert isinstance(value, int | float)
-    _range(key, value, " seconds")
+    _range(key, value, unit)
     return float(value)
+
+
+def _conv_seconds(value: object, key: Key, host: Host) -> float:
+    return _number(value, key, f"a number of seconds from {key.range_text()}", " seconds")
 
 
 def _conv_gigabytes(value: object, key: Key, host: Host) -> float:
-    if not _is_number(value):
-        raise Invalid(f"expected a number of GB such as 18.5, got {quote(value)}")
-    assert isinstance(value, int | float)
-    _range(key, value, " GB")
-    return float(value)
+    return _number(value, key, "a number of GB such as 18.5", " GB")
 
 
 def parse_address(text: str) -> Address:
