@@ -7,7 +7,6 @@ Exit status 1 if any test failed.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import platform
 import sys
@@ -28,15 +27,8 @@ def main(files: list[str]) -> int:
     lines: list[str] = []
     failed = 0
     for name in files:
-        path = Path(name).resolve()
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        for attr, fn in list(vars(module).items()):
-            if not attr.startswith("test_") or not callable(fn):
-                continue
-            print(f"{path.stem}::{attr}", flush=True)
+        for test, fn in support.tests_in(Path(name).resolve()):
+            print(test, flush=True)
             t0 = time.monotonic()
             try:
                 fn()
@@ -50,7 +42,7 @@ def main(files: list[str]) -> int:
                     failed += 1
                     result = f"FAIL ({type(e).__name__}: {e})"
                     traceback.print_exc()
-            line = f"{result.split(' ')[0]:4} {path.stem}::{attr} ({time.monotonic() - t0:.1f} s)"
+            line = f"{result.split(' ')[0]:4} {test} ({time.monotonic() - t0:.1f} s)"
             print(f"  {result}", flush=True)
             lines.append(line + ("" if result == "PASS" else f" {result[5:]}"))
     header = [

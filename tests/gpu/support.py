@@ -8,12 +8,14 @@ With PROVIDERD_NVML_FAKE set, NVML and the CUDA workers use the fake card of
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +124,19 @@ def wait_free(uuid: str, at_least: int, timeout_s: float = 10.0) -> float:
                 f"GPU {uuid} did not show {at_least / GIB:.1f} GiB free within {timeout_s} s"
             )
         time.sleep(0.002)
+
+
+def tests_in(path: Path) -> list[tuple[str, Callable[[], None]]]:
+    """The `test_*` functions of a GPU-tier file, in order, as ("file::name", function)."""
+    spec = importlib.util.spec_from_file_location(f"gpu_tier_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [
+        (f"{path.stem}::{attr}", fn)
+        for attr, fn in vars(module).items()
+        if attr.startswith("test_") and callable(fn)
+    ]
 
 
 def norm_bus(bus: str) -> str:

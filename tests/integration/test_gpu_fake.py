@@ -11,12 +11,10 @@ skip: a skip here is a failure.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -27,20 +25,8 @@ import support  # noqa: E402
 
 from agent.gpu import FAKE_ENV, GIB  # noqa: E402
 
-
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"gpu_tier_{name}", GPU_TIER / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SCENARIOS: list[tuple[str, Callable[[], None]]] = [
-    (f"{name}::{attr}", fn)
-    for name in ("test_layer", "test_serve")
-    for attr, fn in vars(load(name)).items()
-    if attr.startswith("test_") and callable(fn)
+SCENARIOS = [
+    t for name in ("test_layer", "test_serve") for t in support.tests_in(GPU_TIER / f"{name}.py")
 ]
 
 
