@@ -24,7 +24,16 @@ WORKER = Path(__file__).resolve().parent / "cuda_worker.py"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from agent.gpu import FAKE_ENV, GIB, MIB, Card, Nvml, NvmlUnavailable, open_nvml  # noqa: E402
+from agent.gpu import (  # noqa: E402
+    FAKE_ENV,
+    GIB,
+    MIB,
+    Card,
+    Nvml,
+    NvmlUnavailable,
+    open_nvml,
+    pid_exists,
+)
 
 FIGURES: list[str] = []
 
@@ -68,7 +77,11 @@ def nvml() -> Nvml:
 
 
 def card() -> Card:
-    """The card with the most free memory."""
+    """The card with the most free memory, once the memory of processes that have
+    exited (an earlier test's) shows as free: NVML takes about 0.1 s for that."""
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and not all(pid_exists(p.pid) for p in nvml().processes()):
+        time.sleep(0.01)
     cards = nvml().cards()
     if not cards:
         skip("no GPU")
