@@ -30,7 +30,7 @@ BASE_PACKAGES := python3 python3-venv python3-systemd python3-dbus-next curl git
 TEST_PACKAGES := \
 	systemd systemd-container dbus debootstrap qemu-system-x86 util-linux iproute2 procps \
 	debhelper dh-python pybuild-plugin-pyproject python3-all python3-setuptools \
-	build-essential fakeroot dpkg-dev lintian zstd e2fsprogs
+	build-essential fakeroot dpkg-dev lintian zstd e2fsprogs python3-hypothesis
 PIP_PACKAGES := pytest ruff mypy
 
 .PHONY: help test deps venv lint unit integration system vm deb lintian bench demo clean
