@@ -50,6 +50,16 @@ def cmd_check(args: argparse.Namespace) -> int:
     return main_check(args.paths, sys.stdout, sys.stderr)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from agent.export.main import UsageError, main_export, options
+
+    try:
+        opts = options(args.image, args.namespace, args.gpu_sharing, args.lossy, args.gateway)
+    except UsageError as e:
+        return fail(str(e), "'providerctl export --help' lists the options", EXIT_USAGE)
+    return main_export(args.paths, opts, args.output, sys.stdout, sys.stderr)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from agent.reload import dry_run
 
@@ -307,6 +317,17 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("generate", help="print what the generator would write")
     s.add_argument("--dry-run", action="store_true", help="print, verify, write nothing")
     s.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("export", help="write the manifests as objects of another engine")
+    s.add_argument("engine", choices=["kubernetes"], help="the engine: kubernetes")
+    s.add_argument("paths", nargs="*", metavar="PATH", help="manifest files or directories")
+    s.add_argument("--image", required=True, help="the container image that runs the worker")
+    s.add_argument("--namespace", default="default", help="namespace of the objects")
+    s.add_argument("--gpu-sharing", choices=["whole", "hami"], default="whole")
+    s.add_argument("--gateway", default="providerd", help="the Gateway the HTTPRoute joins")
+    s.add_argument("--lossy", action="store_true", help="export what weakens a guarantee")
+    s.add_argument("-o", "--output", metavar="DIR", help="one file per object in DIR")
+    s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("reload", help="apply manifest changes to systemd")
     s.set_defaults(func=cmd_reload)
