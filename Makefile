@@ -32,6 +32,8 @@ TEST_PACKAGES := \
 	debhelper dh-python pybuild-plugin-pyproject python3-all python3-setuptools \
 	build-essential fakeroot dpkg-dev lintian zstd e2fsprogs python3-hypothesis
 PIP_PACKAGES := pytest ruff mypy
+# Only for the tests (never the .deb): schemas and CEL for validating `providerctl export kubernetes`.
+TEST_PIP_PACKAGES := kubernetes-validate cel-python pyyaml
 
 .PHONY: help test deps venv lint unit integration system vm deb lintian bench demo clean
 
@@ -66,9 +68,9 @@ $(WORK)/apt.stamp: $(WORK)/apt-base.stamp
 
 venv: $(VENV)/.stamp
 
-$(VENV)/.stamp: $(WORK)/apt-base.stamp pyproject.toml
+$(VENV)/.stamp: $(WORK)/apt-base.stamp pyproject.toml Makefile
 	@test -x $(PY) || PATH=$(SYSTEM_PATH) /usr/bin/python3 -m venv --system-site-packages $(VENV)
-	@$(PY) -m pip install -q --disable-pip-version-check $(PIP_PACKAGES)
+	@$(PY) -m pip install -q --disable-pip-version-check $(PIP_PACKAGES) $(TEST_PIP_PACKAGES)
 	@$(PY) -m pip install -q --disable-pip-version-check -e .
 	@touch $@
 
