@@ -258,7 +258,11 @@ def _other_losses(p: Provider, losses: list[Loss]) -> None:
             )
         )
     if _changed(p, "max_held"):
-        losses.append(Loss("listen.max_held", "the bound: the interceptor holds any number"))
+        losses.append(
+            Loss(
+                "listen.max_held", "the bound on held connections: the interceptor holds any number"
+            )
+        )
     losses.append(
         Loss(
             "runtime.request_timeout_s",
