@@ -257,6 +257,16 @@ def _other_losses(p: Provider, losses: list[Loss]) -> None:
                 weakens=True,
             )
         )
+    if p.network == "host":
+        losses.append(
+            Loss(
+                "isolation.network",
+                'the host network keeps the worker on this host\'s loopback ("{host}" is '
+                "127.0.0.1); as a hostNetwork pod it listens on the node's addresses, reachable "
+                "by anything that reaches the node, and no NetworkPolicy applies",
+                weakens=True,
+            )
+        )
     if _changed(p, "max_held"):
         losses.append(
             Loss(

@@ -259,7 +259,8 @@ def test_disabled_provider_is_paused_at_zero(tmp_path: Path) -> None:
 
 
 def test_host_network_has_no_network_policy(tmp_path: Path) -> None:
-    e = run(provider(tmp_path, '[isolation]\nnetwork = "host"\n'))
+    e = run(provider(tmp_path, '[isolation]\nnetwork = "host"\n'), lossy=True)
+    assert any(x.key == "isolation.network" and "given up" in x.message for x in e.lines)
     assert "NetworkPolicy" not in kinds(e)
     assert kinds(e)["Deployment"]["spec"]["template"]["spec"]["hostNetwork"] is True
 
@@ -392,6 +393,14 @@ def test_cli_bad_manifest_writes_nothing_and_exits_1(tmp_path: Path) -> None:
         cwd=REPO, env={**os.environ, "PROVIDERD_TRUSTED_UID": str(os.getuid())}, check=False,
     )  # fmt: skip
     assert check.stdout.strip() in err  # the same problems as `check`
+
+
+def test_cli_output_onto_a_file_is_one_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "m.toml", BASE)
+    (tmp_path / "taken").write_text("")
+    rc, out, err = export_cli(tmp_path, str(path), "--image", "i", "-o", str(tmp_path / "taken"))
+    assert rc == 1 and out == ""
+    assert f"providerctl: Failed to write {tmp_path / 'taken'}: " in err and "Traceback" not in err
 
 
 def test_cli_refusal_exits_1_with_a_hint(tmp_path: Path) -> None:
