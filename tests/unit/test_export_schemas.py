@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -337,6 +338,7 @@ def test_any_accepted_manifest_exports_valid_objects_or_says_why_not(
     for name, value in p.environment:
         assert expand(env[name], lookup) == value
     text = yamltext.documents(e.objects)
+    assert list(yaml.safe_load_all(text)) == e.objects
     assert text == yamltext.documents(
         k.export([p], k.Options("registry.example/m:1", "ml", sharing, lossy)).objects
     )
