@@ -134,7 +134,8 @@ def _interceptor_route(p: Provider, name: str, opts: Options, port: int) -> Obj:
         "metadata": meta(name, opts),
         "spec": {
             "target": {"service": name, "port": port},
-            "rules": [{"headers": [{"name": PROVIDER_HEADER, "value": p.slug}]}],
+            # Any host ("*" is the add-on's catch-all), this provider's header.
+            "rules": [{"hosts": ["*"], "headers": [{"name": PROVIDER_HEADER, "value": p.slug}]}],
             "scalingMetric": {"concurrency": {"targetValue": 100}},
             "timeouts": {
                 "readiness": duration(p.start_timeout_s),

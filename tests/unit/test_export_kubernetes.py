@@ -299,7 +299,7 @@ def test_models_route_by_header(tmp_path: Path) -> None:
         {"name": "X-Providerd-Provider", "value": "m"}
     ]
     ir = kinds(e)["InterceptorRoute"]["spec"]["rules"]
-    assert ir == [{"headers": [{"name": "X-Providerd-Provider", "value": "m"}]}]
+    assert ir == [{"hosts": ["*"], "headers": [{"name": "X-Providerd-Provider", "value": "m"}]}]
 
 
 def test_many_models_spread_over_rules_and_routes(tmp_path: Path) -> None:
