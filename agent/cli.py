@@ -324,7 +324,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--image", required=True, help="the container image that runs the worker")
     s.add_argument("--namespace", default="default", help="namespace of the objects")
     s.add_argument("--gpu-sharing", choices=["whole", "hami"], default="whole")
-    s.add_argument("--gateway", default="providerd", help="the Gateway the HTTPRoute joins")
+    s.add_argument(
+        "--gateway", default="providerd", metavar="[NS/]NAME", help="the Gateway the route joins"
+    )
     s.add_argument("--lossy", action="store_true", help="export what weakens a guarantee")
     s.add_argument("-o", "--output", metavar="DIR", help="one file per object in DIR")
     s.set_defaults(func=cmd_export)

@@ -361,10 +361,15 @@ def routes(done: list[Exported], opts: Options) -> list[Obj]:
                         "app.kubernetes.io/managed-by": "providerctl",
                     },
                 },
-                "spec": {"parentRefs": [{"name": opts.gateway}], "rules": rules},
+                "spec": {"parentRefs": [_parent(opts)], "rules": rules},
             }
         )
     return out
+
+
+def _parent(opts: Options) -> Obj:
+    namespace, _, name = opts.gateway.rpartition("/")
+    return {"name": name, "namespace": namespace} if namespace else {"name": name}
 
 
 def reference_grant(opts: Options) -> Obj:

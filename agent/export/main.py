@@ -37,8 +37,15 @@ def options(
             f"--namespace: expected a Kubernetes namespace (lowercase letters, digits and '-', "
             f"at most 63 characters), got {namespace!r}"
         )
-    if len(gateway) > 253 or not _SUBDOMAIN.fullmatch(gateway):
-        raise UsageError(f"--gateway: expected the name of a Gateway object, got {gateway!r}")
+    gw_namespace, _, gw_name = gateway.rpartition("/")
+    if (
+        len(gw_name) > 253
+        or not _SUBDOMAIN.fullmatch(gw_name)
+        or (gw_namespace and (len(gw_namespace) > 63 or not _NAMESPACE.fullmatch(gw_namespace)))
+    ):
+        raise UsageError(
+            f"--gateway: expected a Gateway as NAME or NAMESPACE/NAME, got {gateway!r}"
+        )
     if gpu_sharing not in ("whole", "hami"):
         raise UsageError(f'--gpu-sharing: expected "whole" or "hami", got {gpu_sharing!r}')
     sharing: kubernetes.GpuSharing = "hami" if gpu_sharing == "hami" else "whole"

@@ -395,6 +395,14 @@ def test_cli_bad_manifest_writes_nothing_and_exits_1(tmp_path: Path) -> None:
     assert check.stdout.strip() in err  # the same problems as `check`
 
 
+def test_gateway_in_another_namespace(tmp_path: Path) -> None:
+    path = write(tmp_path, "m.toml", BASE)
+    rc, out, err = export_cli(tmp_path, str(path), "--image", "i", "--gateway", "infra/shared")
+    assert rc == 0, err
+    route = next(d for d in yaml.safe_load_all(out) if d["kind"] == "HTTPRoute")
+    assert route["spec"]["parentRefs"] == [{"name": "shared", "namespace": "infra"}]
+
+
 def test_cli_output_onto_a_file_is_one_line(tmp_path: Path) -> None:
     path = write(tmp_path, "m.toml", BASE)
     (tmp_path / "taken").write_text("")
@@ -420,7 +428,8 @@ def test_cli_refusal_exits_1_with_a_hint(tmp_path: Path) -> None:
         (["--image", ""], "--image: expected a container image"),
         (["--image", "a b"], "--image: expected a container image"),
         (["--image", "i", "--namespace", "Bad_NS"], "--namespace: expected a Kubernetes namespace"),
-        (["--image", "i", "--gateway=-x"], "--gateway: expected the name of a Gateway"),
+        (["--image", "i", "--gateway=-x"], "--gateway: expected a Gateway as NAME"),
+        (["--image", "i", "--gateway", "a/b/c"], "--gateway: expected a Gateway as NAME"),
         (["--image", "i", "--gpu-sharing", "mig"], "invalid choice"),
         ([], "the following arguments are required: --image"),
     ],

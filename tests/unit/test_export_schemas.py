@@ -166,6 +166,16 @@ def test_validator_checks_bounds_types_and_patterns(good: list[dict[str, Any]]) 
     assert any("metadata.name" in e for e in errors(dep))
 
 
+def test_validator_escapes_cel_reserved_property_names(good: list[dict[str, Any]]) -> None:
+    http = find(good, "HTTPRoute")
+    http["spec"]["parentRefs"] = [{"name": "gw", "namespace": "infra"}] * 2
+    assert any("sectionName or port must be unique" in e for e in errors(http))
+    # The rules read `p.__namespace__`: these two differ only if `namespace` reaches CEL
+    # under that escaped name; unescaped, both would look namespace-less, hence the same.
+    http["spec"]["parentRefs"] = [{"name": "gw", "namespace": "infra"}, {"name": "gw"}]
+    assert errors(http) == []
+
+
 def test_rules_with_kubernetes_only_functions_are_not_checked() -> None:
     rules = [
         {"rule": "self.name.lowerAscii() == self.name", "message": "lower"},
