@@ -7,6 +7,7 @@ that the validator itself refuses what an API server would."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import os
 import re
@@ -94,6 +95,16 @@ def test_all_examples_together_validate() -> None:
     assert report.errors == [] and report.not_checked == []
     names = [(o["kind"], o["metadata"]["name"]) for o in e.objects]
     assert len(set(names)) == len(names)
+
+
+def test_vendored_crds_are_unchanged() -> None:
+    sums = (schema.CRDS / "SHA256SUMS").read_text(encoding="utf-8").splitlines()
+    recorded = dict(reversed(line.split("  ", 1)) for line in sums)
+    assert sorted(recorded) == sorted(
+        p.name for p in schema.CRDS.iterdir() if p.suffix == ".yaml" or p.name == "LICENSE"
+    )
+    for name, digest in recorded.items():
+        assert hashlib.sha256((schema.CRDS / name).read_bytes()).hexdigest() == digest, name
 
 
 # -- the validator refuses what an API server would ------------------------------------------
