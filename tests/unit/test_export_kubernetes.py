@@ -302,6 +302,15 @@ def test_models_route_by_header(tmp_path: Path) -> None:
     assert ir == [{"hosts": ["*"], "headers": [{"name": "X-Providerd-Provider", "value": "m"}]}]
 
 
+def test_a_name_no_header_match_can_hold_refuses_even_lossy(tmp_path: Path) -> None:
+    long = "m" * 5000
+    e = run(provider(tmp_path, f'[models]\nnames = ["{long}"]\n'), lossy=True)
+    assert e.refused == ["m"] and e.objects == []
+    assert any(
+        x.key == "models.names" and x.message.endswith('"m" is not exported') for x in e.lines
+    )
+
+
 def test_many_models_spread_over_rules_and_routes(tmp_path: Path) -> None:
     names = ", ".join(f'"m-{i}"' for i in range(300))
     e = run(provider(tmp_path, f"[models]\nnames = [{names}]\n"))
@@ -325,9 +334,11 @@ def test_a_digit_slug_and_its_p_twin_collide(tmp_path: Path) -> None:
     twin = provider(tmp_path / "b", "", name="p_1x.toml")
     e = k.export([one, twin], k.Options("i"))
     assert sorted(e.refused) == ["1x", "p_1x"]
-    assert all(
-        'its Kubernetes name "p-1x" is also the name of provider' in str(x) for x in e.lines[:1]
-    )
+    assert [str(x) for x in e.lines] == [
+        f'{one.source}: its Kubernetes name "p-1x" is also the name of provider "p_1x"; rename one of them',
+        f'{twin.source}: its Kubernetes name "p-1x" is also the name of provider "1x"; rename one of them',
+    ]
+    assert e.objects == []
 
 
 def test_output_is_deterministic(tmp_path: Path) -> None:
@@ -373,7 +384,7 @@ def test_cli_writes_one_file_per_object(tmp_path: Path) -> None:
         "m.deployment.yaml", "m.interceptorroute.yaml", "m.networkpolicy.yaml", "m.scaledobject.yaml",
         "m.service.yaml", "providerd-ml.referencegrant.yaml", "providerd-models.httproute.yaml",
     ]  # fmt: skip
-    assert out.splitlines() == [str(out_dir / n) for n in sorted(names, key=lambda n: out.index(n))]
+    assert sorted(out.splitlines()) == [str(out_dir / n) for n in names]  # each file, once
     doc = yaml.safe_load((out_dir / "m.service.yaml").read_text())
     assert doc["metadata"]["namespace"] == "ml"
 
