@@ -341,6 +341,17 @@ def test_a_digit_slug_and_its_p_twin_collide(tmp_path: Path) -> None:
     assert e.objects == []
 
 
+def test_no_reference_grant_in_the_add_ons_own_namespace(tmp_path: Path) -> None:
+    e = run(provider(tmp_path, ""), namespace="keda")
+    assert "ReferenceGrant" not in kinds(e)
+    assert all(o["metadata"]["namespace"] == "keda" for o in e.objects)
+    grant = kinds(run(provider(tmp_path, ""), namespace="ml"))["ReferenceGrant"]
+    assert grant["metadata"]["namespace"] == "keda"
+    assert grant["spec"]["from"] == [
+        {"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "namespace": "ml"}
+    ]
+
+
 def test_output_is_deterministic(tmp_path: Path) -> None:
     ps = [provider(tmp_path / str(i), "", name=f"m{i}.toml") for i in range(3)]
     a = k.export(ps, k.Options("i"))
