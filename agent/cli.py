@@ -322,8 +322,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("engine", choices=["kubernetes"], help="the engine: kubernetes")
     s.add_argument("paths", nargs="*", metavar="PATH", help="manifest files or directories")
     s.add_argument("--image", required=True, help="the container image that runs the worker")
-    s.add_argument("--namespace", default="default", help="namespace of the objects")
-    s.add_argument("--gpu-sharing", choices=["whole", "hami"], default="whole")
+    s.add_argument("--namespace", default="default", metavar="NS", help="the objects' namespace")
+    s.add_argument("--gpu-sharing", choices=["whole", "hami"], default="whole", help="GPU kind")
     s.add_argument(
         "--gateway", default="providerd", metavar="[NS/]NAME", help="the Gateway the route joins"
     )
