@@ -85,13 +85,37 @@ def cmd_reload(args: argparse.Namespace) -> int:
 
 def _known_slugs() -> tuple[dict[str, Any], list[str]]:
     """Providers from the manifests, and fronts that answer on a control socket."""
+    providers, running, _ = _discover()
+    return providers, running
+
+
+def _discover() -> tuple[dict[str, Any], list[str], int]:
+    """`_known_slugs()`, plus how many manifest files have problems."""
     from agent.manifest import discover
 
     found = discover()
     running = sorted(
         p.parent.name for p in paths.runtime_dir().glob("*/control.sock") if p.is_socket()
     )
-    return dict(found.providers), running
+    broken = len({problem.file for problem in found.problems})
+    return dict(found.providers), running, broken
+
+
+def print_no_providers(broken: int, out: TextIO) -> None:
+    """What `status` says when there is nothing to show: where manifests go."""
+    dirs = paths.manifest_dirs()
+    where = " or ".join(str(d) for d in dirs) or "no manifest directory"
+    if broken:
+        print(f"No providers: {broken} manifest(s) in {where} have problems.", file=out)
+        print("Hint: 'providerctl check' lists them.", file=out)
+        return
+    print(f"No providers: no manifests in {where}.", file=out)
+    first = dirs[0] if dirs else paths.MANIFEST_DIRS[0]
+    print(
+        f"Hint: declare one in {first}/<slug>.toml (see provider.toml(5)), "
+        "then run 'providerctl reload'.",
+        file=out,
+    )
 
 
 def _unit_active(unit: str) -> str:
@@ -187,7 +211,7 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    providers, running = _known_slugs()
+    providers, running, broken = _discover()
     slugs = args.slugs or sorted(set(providers) | set(running))
     for slug in args.slugs:
         if slug not in providers and slug not in running:
@@ -199,6 +223,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         json.dump(doc, sys.stdout, indent=2)
         print()
     else:
+        if not statuses:
+            print_no_providers(broken, sys.stdout)
         for i, status in enumerate(statuses):
             if i:
                 print()

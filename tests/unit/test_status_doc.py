@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import socket
 import subprocess
@@ -97,3 +98,40 @@ def test_the_document_has_a_version(tmp_path: Path) -> None:
     assert set(doc) == {"version", "providers", "gpus"}
     assert doc["version"] == cli.STATUS_VERSION == 1
     assert '{"version": 1, "providers": [ … ], "gpus": [ … ]}' in DOC.read_text()
+
+
+def _status(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PROVIDERD_RUNTIME_DIR": str(tmp_path / "run"),
+        "PROVIDERD_MANIFEST_DIRS": f"{tmp_path / 'etc'}:{tmp_path / 'lib'}",
+        "PROVIDERD_TRUSTED_UID": str(os.getuid()),
+        "PYTHONPATH": str(ROOT),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "agent", "status", *args],
+        env=env, capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+
+
+def test_no_providers_says_so_and_names_where_manifests_go(tmp_path: Path) -> None:
+    out = _status(tmp_path)
+    assert out.returncode == 0, out.stderr
+    etc, lib = tmp_path / "etc", tmp_path / "lib"
+    assert out.stdout.splitlines() == [
+        f"No providers: no manifests in {etc} or {lib}.",
+        f"Hint: declare one in {etc}/<slug>.toml (see provider.toml(5)), "
+        "then run 'providerctl reload'.",
+    ]
+    doc = json.loads(_status(tmp_path, "--json").stdout)
+    assert doc == {"version": 1, "providers": [], "gpus": doc["gpus"]}
+
+
+def test_no_valid_providers_points_at_check(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir(mode=0o755)
+    (tmp_path / "etc" / "broken.toml").write_text("listen = 3\n")
+    os.chmod(tmp_path / "etc" / "broken.toml", 0o644)
+    out = _status(tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].startswith("No providers: 1 manifest(s) in ")
+    assert "'providerctl check' lists them" in out.stdout
