@@ -401,7 +401,13 @@ def holder_from_status(slug: str, status: dict[str, Any]) -> Holder | None:
     vram = max(int(gpu.get("used_bytes") or 0), int(gpu.get("need_bytes") or 0))
     busy = int(status.get("in_flight") or 0) + int(status.get("waiting") or 0)
     return Holder(
-        slug, tuple(str(u) for u in uuids), vram, busy, float(status.get("last_used") or 0)
+        slug,
+        tuple(str(u) for u in uuids),
+        vram,
+        busy,
+        float(status.get("last_used") or 0),
+        int(gpu.get("priority") or 0),
+        status.get("pinned") is True,
     )
 
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-from agent import __version__, paths, rpc
+from agent import __version__, paths, preload, rpc
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INACTIVE, EXIT_NO_SUCH = 0, 1, 2, 3, 4
 
@@ -152,8 +152,10 @@ def provider_status(slug: str, provider: Any) -> dict[str, Any]:
             "retry_after_s": None,
             "memory": {"current": None, "max": None},
             "gpu": {},
+            "pinned": bool(provider is not None and provider.pinned),
             "front": "inactive",
         }
+    status["preloaded"] = preload.read(slug)
     if provider is not None:
         status["listen"] = [str(a) for a in provider.addresses]
         status["description"] = provider.description
@@ -197,6 +199,16 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         ls = status["last_start"]
         ago = time.time() - ls["at"]
         print(f"  Last start: {ago:.0f} s ago, took {ls['took_s']:g} s ({ls['result']})", file=out)
+    if status.get("preloaded"):
+        pl = status["preloaded"]
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(pl.get("at") or 0))
+        took = pl.get("took_s")
+        took_text = f", took {took:g} s" if isinstance(took, (int, float)) else ""
+        print(f"   Preloaded: at boot, {when}{took_text} ({pl.get('result')})", file=out)
+    if status.get("pinned"):
+        print(
+            "      Pinned: never released when idle, never retired for another provider", file=out
+        )
     memory = status.get("memory") or {}
     if memory.get("current") is not None or memory.get("max") is not None:
         limit = f" (max {_size(memory.get('max'))})" if memory.get("max") else ""

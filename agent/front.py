@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from agent import preload
 from agent.control import DeviceRules, StartFailed, WorkerControl
 from agent.listeners import Listeners
 from agent.model import Address, Provider
@@ -202,6 +203,9 @@ class Front:
     def _arm_idle(self) -> None:
         if self._idle_timer is not None:
             self._idle_timer.cancel()
+            self._idle_timer = None
+        if self.provider.pinned:
+            return  # held until stopped: never released on idle
         self._idle_timer = asyncio.get_running_loop().call_later(
             self.provider.idle_timeout_s, self._idle
         )
@@ -346,6 +350,7 @@ class Front:
                 )
                 tail = []
             self.last_start = {"at": time.time(), "took_s": round(took, 3), "result": reason}
+            self._record_preload()
             if self.state != State.STARTING:
                 return  # released while starting: the stop reports
             delay = min(self.backoff.cap_s, self.backoff.first_s * 2**self.backoff.failures)
@@ -373,9 +378,14 @@ class Front:
         took = loop.time() - self._start_began
         self.generation += 1
         self.last_start = {"at": time.time(), "took_s": round(took, 3), "result": "ready"}
+        self._record_preload()
         self.log.info("Worker ready after %.1f s", took)
         self._dispatch(Event.STARTED)
         self._spawn(self.admission.started(self))
+
+    def _record_preload(self) -> None:
+        if self._start_cause == preload.CAUSE and self.last_start is not None:
+            preload.record(self.provider.slug, self.last_start, self.log)
 
     async def _stop_worker(self) -> None:
         began = asyncio.get_running_loop().time()
@@ -447,6 +457,8 @@ class Front:
         busy = self.in_flight + len(self.waiters)
         if busy:
             return {"retired": False, "busy": busy}
+        if self.provider.pinned:
+            return {"retired": False, "busy": 0, "pinned": True}
         if self.state not in (State.READY, State.STARTING):
             return {"retired": True}
         reason = "Retiring the worker to make room on the GPU"
@@ -498,6 +510,7 @@ class Front:
             "retry_after_s": retry,
             "memory": memory,
             "gpu": self.admission.status(self),
+            "pinned": self.provider.pinned,
         }
 
     def _update_status(self) -> None:
@@ -587,7 +600,7 @@ async def run_systemd(slug: str) -> int:
     server = await rpc.serve(paths.control_socket(slug), front.handle)
     front.start_accepting()
     notify("READY=1")
-    front.warm("activation")  # by a connection (it waits in the queue) or a plain start
+    front.warm(preload.activation_cause(provider))  # a connection, a plain start, the boot
     loop = asyncio.get_running_loop()
     grace = provider.stop_timeout_s
     loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(front.stop(grace)))

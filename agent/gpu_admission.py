@@ -169,4 +169,5 @@ class GpuAdmission(Admission):
             "budget_bytes": budget_bytes(self.provider),
             "peak_bytes": max(stored or 0, current) or None,
             "enforce": self.provider.enforce,
+            "priority": self.provider.gpu_priority,
         }

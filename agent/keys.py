@@ -264,6 +264,25 @@ KEYS: tuple[Key, ...] = (
         'HTTP paths (such as "/health") whose requests do not keep the provider busy.',
     ),
     Key(
+        "runtime",
+        "pinned",
+        "bool",
+        "boolean",
+        "false",
+        "Keep the worker once it runs: never released when idle, never retired to make room "
+        "on a GPU. It still stops on `providerctl stop`, a crash, or its VRAM budget.",
+    ),
+    Key(
+        "runtime",
+        "preload",
+        "bool",
+        "boolean",
+        "false",
+        "Load the model when the system starts, after its socket, instead of on the first "
+        "request. Needs enabled = true. Unless pinned, it is released when idle like any other.",
+        "multi-user.target.wants/provider@SLUG.service link",
+    ),
+    Key(
         "limits",
         "memory_max",
         "size",
@@ -339,6 +358,18 @@ KEYS: tuple[Key, ...] = (
         '"stop"',
         'Over budget: "stop" the worker with a journal line giving the numbers, or "warn".',
         choices=("stop", "warn"),
+    ),
+    Key(
+        "gpu",
+        "priority",
+        "int",
+        "integer",
+        "0",
+        "To make room on a GPU for this provider, admission retires only idle providers whose "
+        "priority is not above this one's: lowest priority first, least recently used first "
+        "among equals. A provider of higher priority is never retired for it.",
+        low=-1000,
+        high=1000,
     ),
     Key(
         "weights",

@@ -53,6 +53,7 @@ _FIELDS = {
     "runtime.ready": "ready",
     "gpu.devices": "gpu_devices",
     "gpu.count": "gpu_count",
+    "gpu.priority": "gpu_priority",
     "weights.paths": "weight_paths",
     "models.names": "model_names",
     "models.patterns": "model_patterns",
@@ -156,9 +157,17 @@ def validate(data: dict[str, Any], slug: str, source: Path, host: Host) -> Provi
     count = values.get("gpu_count", 1)
     if isinstance(devices, tuple) and count > len(devices):
         problem("gpu.count", f"is {count} but gpu.devices lists only {len(devices)} device(s)")
-    if devices == "none" and any(k in present for k in ("gpu.vram_budget_gb", "gpu.count")):
+    if devices == "none" and any(
+        k in present for k in ("gpu.vram_budget_gb", "gpu.count", "gpu.priority")
+    ):
         problem(
             "gpu.devices", 'is "none" but other [gpu] keys are set; remove them or choose devices'
+        )
+    if values.get("preload") and values.get("enabled") is False:
+        problem(
+            "runtime.preload",
+            "is true but enabled = false: a provider whose socket is not started at boot "
+            "is not loaded at boot either; set enabled = true or remove preload",
         )
     if problems:
         return problems

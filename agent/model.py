@@ -80,6 +80,8 @@ class Provider:
     idle_timeout_s: float = 600.0
     stop_timeout_s: float = 30.0  # bounded wait for requests in flight on `providerctl stop`
     idle_ignore_paths: tuple[str, ...] = ()
+    pinned: bool = False  # never released when idle, never retired by GPU admission
+    preload: bool = False  # loaded at boot (the front is wanted by multi-user.target)
 
     # [limits] (None = no limit)
     memory_max: int | None = None  # bytes
@@ -92,6 +94,7 @@ class Provider:
     gpu_count: int = 1
     vram_budget_gb: float | None = None
     enforce: Enforce = "stop"
+    gpu_priority: int = 0  # admission retires only providers of lower priority
 
     # [weights]
     weight_paths: tuple[str, ...] = ()  # absolute, bound read-only into the worker

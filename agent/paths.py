@@ -50,3 +50,9 @@ def trusted_uids() -> frozenset[int]:
     if value.isascii() and value.isdigit():
         uids.add(int(value))
     return frozenset(uids)
+
+
+def preload_record(slug: str) -> Path:
+    """What the boot-time load of a `preload` provider did. Beside, not in, the provider's
+    runtime directory, which systemd removes when the front exits; /run is empty at boot."""
+    return runtime_dir() / f"{slug}.preloaded"

@@ -2,8 +2,12 @@
 
 Given the cards as NVML shows them (less what starting workers have reserved),
 the other providers that hold GPU memory, and what this provider needs, decide:
-start now on these cards, retire these idle providers first (least recently used
-first, never one with a request in flight), or refuse with who holds the cards.
+start now on these cards, retire these idle providers first, or refuse with who
+holds the cards and why each was not retired.
+
+Who may be retired (`retirable`): a provider with nothing in flight, not pinned,
+whose `[gpu] priority` is not above the asking provider's. Lowest priority goes
+first, least recently used first among equals.
 
 Memory figures are per card: a provider with `count = 2` needs `need` bytes on
 each of its two cards. `vram_budget_gb` is in GiB (2**30 bytes).
@@ -28,6 +32,8 @@ class Holder:
     vram_bytes: int  # bytes it holds on each of those cards
     busy: int  # requests in flight; > 0 means it is never retired
     last_used: float  # when it last served a request; any clock, the same for all holders
+    priority: int = 0  # `[gpu] priority`: only a provider of equal or higher priority retires it
+    pinned: bool = False  # `[runtime] pinned`: never retired
 
 
 @dataclass(frozen=True)
@@ -61,14 +67,17 @@ class Refusal:
     message: str
     holders: tuple[tuple[str, int], ...] = ()  # (slug, requests in flight) on the cards wanted
     permanent: bool = False  # waiting cannot help (no such card, card too small)
+    kept: tuple[tuple[str, str], ...] = ()  # (slug, why it was not retired), for those that say
 
     def body(self) -> dict[str, Any]:
         """The JSON of the 503 for held requests: names and busy counts, no paths or addresses."""
+        why = dict(self.kept)
         return {
             "error": "gpu_unavailable",
             "message": self.message,
             "holders": [
                 {"slug": slug, "busy": busy > 0, "requests_in_flight": busy}
+                | ({"kept": why[slug]} if slug in why else {})
                 for slug, busy in self.holders
             ],
         }
@@ -200,8 +209,8 @@ def plan_admission(
 
     wanted = {c.uuid for c in candidates}
     idle = sorted(
-        (h for h in holders if h.busy == 0 and wanted.intersection(h.gpus)),
-        key=lambda h: (h.last_used, h.slug),
+        (h for h in holders if wanted.intersection(h.gpus) and kept_because(provider, h) is None),
+        key=lambda h: (h.priority, h.last_used, h.slug),
     )
     projected = dict(free)
     taken: list[Holder] = []
@@ -215,7 +224,25 @@ def plan_admission(
             return Plan(Placement(chosen), _prune(taken, chosen, free, want), want)
 
     on_cards = [h for h in holders if wanted.intersection(h.gpus)]
-    return Refusal(_busy_message(provider, want, candidates, on_cards), _summary(on_cards))
+    kept = tuple(
+        (h.slug, why)
+        for h in sorted(on_cards, key=lambda h: h.slug)
+        if (why := kept_because(provider, h)) is not None
+    )
+    return Refusal(
+        _busy_message(provider, want, candidates, on_cards), _summary(on_cards), kept=kept
+    )
+
+
+def kept_because(provider: Provider, holder: Holder) -> str | None:
+    """Why `holder` may not be retired to make room for `provider`; None when it may."""
+    if holder.busy:
+        return f"busy, {holder.busy} in flight"
+    if holder.pinned:
+        return "pinned"
+    if holder.priority > provider.gpu_priority:
+        return f"priority {holder.priority}, above {provider.gpu_priority}"
+    return None
 
 
 def _prune(
@@ -245,9 +272,7 @@ def _busy_message(
     parts = []
     for c in candidates:
         on = [h for h in holders if c.uuid in h.gpus]
-        who = ", ".join(
-            f"{h.slug} ({'busy, ' + str(h.busy) + ' in flight' if h.busy else 'idle'})" for h in on
-        )
+        who = ", ".join(f"{h.slug} ({kept_because(provider, h) or 'idle'})" for h in on)
         parts.append(
             f"GPU {c.index} has {format_bytes(c.free)} free"
             + (f", held by {who}" if who else ", used by processes outside providerd")

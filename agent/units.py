@@ -2,7 +2,8 @@
 
 The unit logic lives in the static templates under `units/`; per provider the
 generator writes only drop-ins (`50-manifest.conf`) and, for enabled providers,
-a `sockets.target.wants/` link. `render` returns them as a mapping from a path
+a `sockets.target.wants/` link (and a `multi-user.target.wants/` link to the
+front for those that preload). `render` returns them as a mapping from a path
 relative to the generator's output directory to the file's text or a `Link`.
 """
 
@@ -19,6 +20,7 @@ GENERATOR = "providerd-generator"
 DROPIN = "50-manifest.conf"
 UNIT_DIR = "/lib/systemd/system"
 SOCKET_TEMPLATE = f"{UNIT_DIR}/provider@.socket"
+FRONT_TEMPLATE = f"{UNIT_DIR}/provider@.service"
 PYTHON = "/usr/bin/python3"
 INDEX = "providerd.json"
 FRONT_STOP_MARGIN_S = 30  # the front's TimeoutStopSec= is stop_timeout_s plus this
@@ -198,6 +200,10 @@ def render(provider: Provider, python: str = PYTHON) -> dict[str, str | Link]:
     }
     if provider.enabled:
         files[f"sockets.target.wants/{socket_unit(slug)}"] = Link(SOCKET_TEMPLATE)
+    if provider.enabled and provider.preload:
+        # The front at boot: it Requires= and is After= its socket, reports READY at once
+        # (the boot does not wait for the model) and starts the worker as on any activation.
+        files[f"multi-user.target.wants/{front_unit(slug)}"] = Link(FRONT_TEMPLATE)
     return files
 
 

@@ -7,6 +7,8 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 
+import pytest
+
 from agent.control import DeviceRules, StartFailed
 from agent.front import Front
 from agent.model import Address, Provider
@@ -201,3 +203,73 @@ def test_warm_while_the_worker_is_being_released_starts_it_again() -> None:
     answer, starts = asyncio.run(go())
     assert answer == {"state": "ready", "error": None}
     assert starts == 2
+
+
+def test_a_pinned_provider_is_never_released_on_idle_nor_retired() -> None:
+    async def go() -> tuple[State, int, dict[str, object], bool]:
+        sock = listener()
+        worker = InProcessWorker()
+        front = Front(provider(idle_timeout_s=0.1, pinned=True), worker, [sock], exit_on_idle=True)
+        front.start_accepting()
+        front.warm()
+        while front.state != State.READY:
+            await asyncio.sleep(0.01)
+        await get(sock.getsockname()[1])  # a lease ends: where the idle timer would be armed
+        await asyncio.sleep(0.5)  # five idle timeouts
+        answer = await front.retire()
+        state, stops, done = front.state, worker.stops, front.done.is_set()
+        status = await front.status()
+        await shutdown(front, worker)
+        sock.close()
+        return state, stops, answer | {"status_pinned": status["pinned"]}, done
+
+    state, stops, answer, done = asyncio.run(go())
+    assert state == State.READY and stops == 0 and not done
+    assert answer == {"retired": False, "busy": 0, "pinned": True, "status_pinned": True}
+
+
+def test_an_unpinned_provider_retires_when_idle() -> None:
+    async def go() -> tuple[dict[str, object], int]:
+        sock = listener()
+        worker = InProcessWorker()
+        front = Front(provider(), worker, [sock], exit_on_idle=False)
+        front.start_accepting()
+        front.warm()
+        while front.state != State.READY:
+            await asyncio.sleep(0.01)
+        answer = await front.retire()
+        stops = worker.stops
+        await shutdown(front, worker)
+        sock.close()
+        return answer, stops
+
+    answer, stops = asyncio.run(go())
+    assert answer == {"retired": True} and stops == 1
+
+
+def test_the_preload_is_recorded_once_per_boot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agent import preload
+
+    monkeypatch.setenv("PROVIDERD_RUNTIME_DIR", str(tmp_path))
+    p = provider(preload=True)
+    assert preload.activation_cause(provider()) == "activation"
+    assert preload.activation_cause(p) == "preload"
+    assert preload.read("t") is None
+
+    async def go() -> None:
+        sock = listener()
+        worker = InProcessWorker()
+        front = Front(p, worker, [sock], exit_on_idle=False)
+        front.warm(preload.activation_cause(p))
+        while front.state != State.READY:
+            await asyncio.sleep(0.01)
+        await shutdown(front, worker)
+        sock.close()
+
+    asyncio.run(go())
+    record = preload.read("t")
+    assert record is not None and record["result"] == "ready"
+    assert set(record) == {"at", "took_s", "result"}
+    assert preload.activation_cause(p) == "activation"  # later fronts this boot: activations

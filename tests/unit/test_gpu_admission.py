@@ -177,8 +177,8 @@ def test_refuses_after_the_timeout_naming_the_busy_holders(tmp_path: Path) -> No
         run_admit(provider("third"), nv, peers, fp, timeout_s=0.2)
     body = e.value.refusal.body()
     assert body["holders"] == [
-        {"slug": "first", "busy": True, "requests_in_flight": 2},
-        {"slug": "second", "busy": True, "requests_in_flight": 1},
+        {"slug": "first", "busy": True, "requests_in_flight": 2, "kept": "busy, 2 in flight"},
+        {"slug": "second", "busy": True, "requests_in_flight": 1, "kept": "busy, 1 in flight"},
     ]
     assert "Not enough GPU memory for third" in body["message"]
     assert peers.retired == []
@@ -306,6 +306,9 @@ def test_holder_from_a_front_status() -> None:
         "gpu": {"uuids": [CARD], "used_bytes": 3 * GIB, "need_bytes": 5 * GIB},
     }
     assert holder_from_status("x", status) == Holder("x", (CARD,), 5 * GIB, 3, 123.5)
+    status["pinned"] = True
+    status["gpu"]["priority"] = -3  # type: ignore[index]
+    assert holder_from_status("x", status) == Holder("x", (CARD,), 5 * GIB, 3, 123.5, -3, True)
     assert holder_from_status("y", {"gpu": {"uuids": []}}) is None
     assert holder_from_status("z", {"gpu": {}}) is None
 

@@ -106,6 +106,75 @@ def test_never_retires_a_busy_provider() -> None:
     assert plan.victims == ("idle",)
 
 
+def held(
+    slug: str, gib: float, *, last: float = 0.0, priority: int = 0, pinned: bool = False
+) -> Holder:
+    return Holder(slug, ("GPU-0000",), int(gib * GIB), 0, last, priority, pinned)
+
+
+def test_never_retires_a_pinned_provider_and_says_so() -> None:
+    holders = [held("chat", 36, last=1, pinned=True), held("idle", 36, last=500)]
+    plan = plan_admission(provider(), 36 * GIB, [card(0, 8)], holders, 0)
+    assert isinstance(plan, Plan) and plan.victims == ("idle",)
+    plan = plan_admission(provider(), 36 * GIB, [card(0, 8)], holders[:1], 0)
+    assert isinstance(plan, Refusal) and not plan.permanent
+    assert "held by chat (pinned)" in plan.message
+    assert plan.body()["holders"] == [
+        {"slug": "chat", "busy": False, "requests_in_flight": 0, "kept": "pinned"}
+    ]
+
+
+def test_never_retires_a_provider_of_higher_priority_and_says_so() -> None:
+    holders = [held("big", 36, last=1, priority=5)]
+    plan = plan_admission(provider(gpu_priority=0), 36 * GIB, [card(0, 8)], holders, 0)
+    assert isinstance(plan, Refusal)
+    assert "held by big (priority 5, above 0)" in plan.message
+    assert plan.body()["holders"][0]["kept"] == "priority 5, above 0"
+    # The same holder gives way to a provider of equal or higher priority.
+    for mine in (5, 9):
+        plan = plan_admission(provider(gpu_priority=mine), 36 * GIB, [card(0, 8)], holders, 0)
+        assert isinstance(plan, Plan) and plan.victims == ("big",), mine
+
+
+def test_lower_priority_goes_first_then_least_recently_used_among_equals() -> None:
+    holders = [
+        held("old_high", 36, last=1, priority=3),
+        held("new_low", 36, last=900, priority=-2),
+        held("mid_b", 36, last=300, priority=0),
+        held("mid_a", 36, last=200, priority=0),
+    ]
+    plan = plan_admission(provider(gpu_priority=3), 36 * GIB, [card(0, 8)], holders, 0)
+    assert isinstance(plan, Plan) and plan.victims == ("new_low",)
+    # Needing room for two: the lowest priority, then the older of the equals.
+    plan = plan_admission(provider(gpu_priority=3), 72 * GIB, [card(0, 8, 100)], holders, 0)
+    assert isinstance(plan, Plan) and plan.victims == ("new_low", "mid_a")
+    # A provider of priority 0 may take the equals but never old_high, however idle.
+    plan = plan_admission(provider(), 108 * GIB, [card(0, 8, 150)], holders, 0)
+    assert isinstance(plan, Plan) and plan.victims == ("new_low", "mid_a", "mid_b")
+    plan = plan_admission(provider(), 140 * GIB, [card(0, 8, 150)], holders, 0)
+    assert isinstance(plan, Refusal)
+    assert "old_high (priority 3, above 0)" in plan.message
+
+
+def test_a_refusal_says_why_each_holder_was_kept() -> None:
+    holders = [
+        Holder("busy", ("GPU-0000",), 20 * GIB, 2, 0.0),
+        held("pin", 20, pinned=True),
+        held("vip", 20, priority=1),
+        held("small", 1),
+    ]
+    plan = plan_admission(provider(), 60 * GIB, [card(0, 1)], holders, 0)
+    assert isinstance(plan, Refusal)
+    kept = {h["slug"]: h.get("kept") for h in plan.body()["holders"]}
+    assert kept == {
+        "busy": "busy, 2 in flight",
+        "pin": "pinned",
+        "vip": "priority 1, above 0",
+        "small": None,
+    }
+    assert "small (idle)" in plan.message
+
+
 def test_refuses_naming_the_holders_when_only_busy_ones_could_make_room() -> None:
     holders = [holder("llama", 0, 36, busy=3), holder("bert", 0, 36, busy=1)]
     plan = plan_admission(provider(), 36 * GIB, [card(0, 8)], holders, 0)
@@ -115,8 +184,8 @@ def test_refuses_naming_the_holders_when_only_busy_ones_could_make_room() -> Non
     assert "llama (busy, 3 in flight)" in plan.message
     body = plan.body()
     assert body["holders"] == [
-        {"slug": "bert", "busy": True, "requests_in_flight": 1},
-        {"slug": "llama", "busy": True, "requests_in_flight": 3},
+        {"slug": "bert", "busy": True, "requests_in_flight": 1, "kept": "busy, 1 in flight"},
+        {"slug": "llama", "busy": True, "requests_in_flight": 3, "kept": "busy, 3 in flight"},
     ]
     text = json.dumps(body)
     assert "/etc" not in text and "127.0.0.1" not in text

@@ -59,7 +59,7 @@ def front_status() -> dict[str, Any]:
 
 def test_every_provider_field_is_documented_and_both_paths_agree(tmp_path: Path) -> None:
     doc = documented()
-    running = front_status() | {"front": "running"}
+    running = front_status() | {"front": "running", "preloaded": None}  # what the CLI adds
     inactive = cli.provider_status("nothing_runs_here", None)
     assert set(running) == set(inactive)  # a running front and an inactive one: one shape
     from_manifest = {"listen", "description", "socket"}
@@ -135,3 +135,24 @@ def test_no_valid_providers_points_at_check(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0].startswith("No providers: 1 manifest(s) in ")
     assert "'providerctl check' lists them" in out.stdout
+
+
+def test_status_shows_the_preload_and_pinning_after_the_front_is_gone(tmp_path: Path) -> None:
+    etc = tmp_path / "etc"
+    etc.mkdir(mode=0o755)
+    (etc / "emb.toml").write_text(
+        '[listen]\naddress = "127.0.0.1:1"\n[runtime]\ncommand = ["/bin/true"]\n'
+        "preload = true\npinned = true\n"
+    )
+    os.chmod(etc / "emb.toml", 0o644)
+    (tmp_path / "run").mkdir()
+    record = {"at": 1764500000.0, "took_s": 2.5, "result": "ready"}
+    (tmp_path / "run" / "emb.preloaded").write_text(json.dumps(record))
+    doc = json.loads(_status(tmp_path, "--json").stdout)
+    (emb,) = doc["providers"]
+    assert emb["state"] == "inactive"
+    assert emb["preloaded"] == record and emb["pinned"] is True
+    text = _status(tmp_path, "emb")
+    assert text.returncode == 3
+    assert "   Preloaded: at boot, " in text.stdout and "took 2.5 s (ready)" in text.stdout
+    assert "      Pinned: never released when idle" in text.stdout
