@@ -61,7 +61,18 @@ def _state(pid: int) -> str:
     return ""
 
 
-def manifest(d: Path, slug: str, port: int, budget: int, alloc: int, idle_s: float) -> Path:
+def manifest(
+    d: Path,
+    slug: str,
+    port: int,
+    budget: int,
+    alloc: int,
+    idle_s: float,
+    *,
+    start_timeout_s: float = 60,
+    runtime: str = "",
+    gpu: str = "",
+) -> Path:
     f = d / f"{slug}.toml"
     f.write_text(
         f"""description = "GPU tier {slug}"
@@ -71,13 +82,15 @@ protocol = "http"
 [runtime]
 command = ["{{python}}", "{WORKER}", "serve", "--port", "{{port}}", "--bytes", "{alloc}"]
 ready = "http:/health"
-start_timeout_s = 60
+start_timeout_s = {start_timeout_s}
 request_timeout_s = 60
 idle_timeout_s = {idle_s}
+{runtime}
 [gpu]
 devices = "auto"
 vram_budget_gb = {budget / GIB:.3f}
 enforce = "stop"
+{gpu}
 """
     )
     f.chmod(0o644)
@@ -221,5 +234,73 @@ def test_three_providers_over_budget_idle_release_and_placement() -> None:
         back = time.monotonic() - deadline
         figure("serve: memory back after the idle deadline", f"{back:.3f} s (idle_timeout_s = 3)")
         assert -0.5 < back < 1.0
+    finally:
+        serve.stop()
+
+
+def test_pinned_and_priorities_decide_who_gives_way() -> None:
+    """Four providers of 45% each, two fit: `pin` is pinned (and outlives its idle
+    timeout), `mid` has priority 5. `low` (priority 0) may retire neither and is refused
+    with both named and why; `top` (priority 9) retires `mid`, never `pin`."""
+    try:
+        import agent.serve  # noqa: F401
+    except ImportError as why:
+        skip(f"the foreground agent is not importable here: {why}")
+    c = card()
+    share = int(c.total * 0.45)
+    if c.free < 2 * share + 4 * GIB:
+        skip(f"GPU {c.index} has only {c.free / GIB:.0f} GiB free")
+    alloc = share - int(1.5 * GIB)
+    tmp = Path(tempfile.mkdtemp(prefix="providerd-gpu-priority-"))
+    mdir = tmp / "providers"
+    mdir.mkdir(mode=0o755)
+    ports = {s: free_port() for s in ("pin", "mid", "low", "top")}
+    manifests = [
+        manifest(mdir, "pin", ports["pin"], share, alloc, 1, runtime="pinned = true"),
+        manifest(mdir, "mid", ports["mid"], share, alloc, 120, gpu="priority = 5"),
+        manifest(mdir, "low", ports["low"], share, alloc, 120, start_timeout_s=2),
+        manifest(mdir, "top", ports["top"], share, alloc, 120, gpu="priority = 9"),
+    ]
+    out = Path(os.environ.get("OUT", tmp))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PROVIDERD_RUNTIME_DIR": str(tmp / "run"),
+        "PROVIDERD_STATE_DIR": str(tmp / "state"),
+        "PROVIDERD_TRUSTED_UID": str(os.getuid()),
+        "PROVIDERD_MANIFEST_DIRS": str(mdir),
+    }
+    serve = Serve(manifests, env, out / "gpu-priority.log")
+    try:
+        for p in ports.values():
+            wait_port(p)
+        code, pin = get(ports["pin"], "/info")
+        assert code == 200, pin
+        code, mid = get(ports["mid"], "/info")
+        assert code == 200, mid
+        time.sleep(1.5)  # past pin's idle timeout: pinned, so it keeps its worker
+        assert alive(pin["pid"]), "a pinned provider is never released on idle"
+
+        t0 = time.monotonic()
+        code, body = get(ports["low"], "/info")
+        figure("priority: refusal of a lower-priority start", f"{time.monotonic() - t0:.2f} s")
+        assert code == 503, body
+        kept = {h["slug"]: h.get("kept") for h in body["holders"]}
+        assert kept == {"pin": "pinned", "mid": "priority 5, above 0"}, body
+        assert "pin (pinned)" in body["error"] and "mid (priority 5, above 0)" in body["error"]
+        assert alive(pin["pid"]) and alive(mid["pid"])
+
+        code, top = get(ports["top"], "/info")
+        assert code == 200, top
+        assert not alive(mid["pid"]), "mid (priority 5) gives way to top (priority 9)"
+        assert alive(pin["pid"]), "a pinned provider is never retired"
+        status = subprocess.run(
+            [sys.executable, "-m", "agent", "status", "--json", "pin", "top"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        doc = json.loads(status.stdout)
+        by_slug = {p["slug"]: p for p in doc["providers"]}
+        assert by_slug["pin"]["pinned"] is True and by_slug["pin"]["state"] == "ready"
+        assert by_slug["top"]["gpu"]["priority"] == 9
     finally:
         serve.stop()
