@@ -32,8 +32,9 @@ TEST_PACKAGES := \
 	debhelper dh-python pybuild-plugin-pyproject python3-all python3-setuptools \
 	build-essential fakeroot dpkg-dev lintian zstd e2fsprogs python3-hypothesis
 PIP_PACKAGES := pytest ruff mypy
-# Only for the tests (never the .deb): schemas and CEL for validating `providerctl export kubernetes`.
-TEST_PIP_PACKAGES := kubernetes-validate cel-python pyyaml
+# Only for the tests (never the .deb): schemas and CEL for validating `providerctl export kubernetes`,
+# and the official openai client that the integration and container tiers talk to providers with.
+TEST_PIP_PACKAGES := kubernetes-validate cel-python pyyaml openai
 
 .PHONY: help test deps venv lint unit integration system vm deb lintian bench demo clean
 
