@@ -17,7 +17,7 @@ import stat
 import sys
 from pathlib import Path
 
-from agent import paths, rpc
+from agent import paths, preload, rpc
 from agent.control import ProcessWorker
 from agent.front import Front, admission_for
 from agent.model import Address, Provider
@@ -128,6 +128,8 @@ async def serve(providers: list[Provider]) -> int:
         )
         if missing := unenforced(p):
             log.warning("%s: not enforced without systemd: %s", p.slug, ", ".join(missing))
+        if p.preload:
+            front.warm(preload.CAUSE)  # this start is the foreground's boot
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -67,9 +67,7 @@ def build(name: str, requirement: str, module: str) -> Path:
 def run(argv: list[str]) -> None:
     r = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
     if r.returncode != 0:
-        raise RuntimeError(
-            f"cannot install from PyPI ({' '.join(argv)}):\n{r.stdout}{r.stderr}"
-        )
+        raise RuntimeError(f"cannot install from PyPI ({' '.join(argv)}):\n{r.stdout}{r.stderr}")
 
 
 def manifest(python: str, port: int, idle_s: float = 300) -> str:

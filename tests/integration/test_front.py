@@ -44,6 +44,23 @@ def test_idle_releases_worker_and_port_stays(serve: Any) -> None:
     assert second != first
 
 
+def test_preload_and_pin_in_the_foreground(serve: Any) -> None:
+    """`serve` is the foreground's boot: a preloading provider loads with no request, and
+    pinned, it outlives its idle timeout; `status` shows both."""
+    port = free_port()
+    s = serve(("pre", manifest(port, idle=1, extra_runtime="preload = true\npinned = true")))
+    s.wait_log("Starting worker (preload)", timeout=10)
+    s.wait_log("Worker ready after", timeout=20)
+    time.sleep(2.5)  # past two idle timeouts
+    assert s.count("Idle for") == 0 and s.count("Worker stopped") == 0
+    out = s.ctl("status", "--json", "pre")
+    (st,) = json.loads(out.stdout)["providers"]
+    assert st["state"] == "ready" and st["served"] == 0 and st["pinned"] is True
+    assert st["preloaded"]["result"] == "ready"
+    pid = pid_of(port)  # the preloaded worker answers the first request: no second start
+    assert s.count("Starting worker") == 1 and alive(pid)
+
+
 def test_ignored_paths_and_keepalive_do_not_hold(serve: Any) -> None:
     port = free_port()
     s = serve(("keep", manifest(port, idle=1)))
