@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-from agent import __version__, paths, preload, rpc
+from agent import __version__, counters, paths, preload, rpc
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INACTIVE, EXIT_NO_SUCH = 0, 1, 2, 3, 4
 
@@ -153,6 +153,7 @@ def provider_status(slug: str, provider: Any) -> dict[str, Any]:
             "memory": {"current": None, "max": None},
             "gpu": {},
             "pinned": bool(provider is not None and provider.pinned),
+            "counters": counters.read(slug),
             "front": "inactive",
         }
     status["preloaded"] = preload.read(slug)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from agent import preload
+from agent import counters, preload
 from agent.control import DeviceRules, StartFailed, WorkerControl
 from agent.listeners import Listeners
 from agent.model import Address, Provider
@@ -137,6 +137,8 @@ class Front:
         self.backoff = Backoff()
         self.backoff_until = 0.0
         self.done = asyncio.Event()  # set when the front has released everything and should exit
+        self.counters = counters.load(provider.slug)  # where the last front left off
+        self._flush_timer: asyncio.TimerHandle | None = None
 
         self.listening = Listeners(listeners, self._connection, self.log)
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -195,6 +197,8 @@ class Front:
     def _lease_end(self) -> None:
         self.in_flight -= 1
         self.served += 1
+        self.counters.count_served()
+        self._flush_soon()
         self.last_used = time.time()
         if self.in_flight == 0:
             self._arm_idle()
@@ -224,6 +228,8 @@ class Front:
             return
         self._idle_due = False
         idle_s = self.provider.idle_timeout_s
+        if self.state == State.READY:
+            self.counters.count_idle_release()
         if self.exit_on_idle:
             self.release(f"Idle for {idle_s:g} s, releasing the worker")
         elif self.state == State.READY:
@@ -235,6 +241,7 @@ class Front:
         if self.state == State.READY:
             return self.address, self.generation
         if len(self.waiters) >= self.provider.max_held:
+            self.counters.count_refused("too_many_waiting")
             raise Unavailable(
                 503,
                 f"too many requests waiting for the worker (max_held = {self.provider.max_held})",
@@ -245,6 +252,11 @@ class Front:
         self._dispatch(Event.DEMAND, cause)
         try:
             await asyncio.shield(future)
+        except Unavailable:
+            if cause == "request":
+                gpu = "holders" in self.failure_extra
+                self.counters.count_refused("gpu_unavailable" if gpu else "start_failed")
+            raise
         finally:
             if future in self.waiters:
                 self.waiters.remove(future)
@@ -351,6 +363,8 @@ class Front:
                 tail = []
             self.last_start = {"at": time.time(), "took_s": round(took, 3), "result": reason}
             self._record_preload()
+            self.counters.count_start_failure()
+            self._flush()
             if self.state != State.STARTING:
                 return  # released while starting: the stop reports
             delay = min(self.backoff.cap_s, self.backoff.first_s * 2**self.backoff.failures)
@@ -379,9 +393,22 @@ class Front:
         self.generation += 1
         self.last_start = {"at": time.time(), "took_s": round(took, 3), "result": "ready"}
         self._record_preload()
+        self.counters.count_start(took)
+        self._flush()
         self.log.info("Worker ready after %.1f s", took)
         self._dispatch(Event.STARTED)
         self._spawn(self.admission.started(self))
+
+    def _flush_soon(self) -> None:
+        if self._flush_timer is None:
+            self._flush_timer = asyncio.get_running_loop().call_later(counters.FLUSH_S, self._flush)
+
+    def _flush(self) -> None:
+        """Persist the counters now (worker started or stopped, the front exits)."""
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        counters.save(self.provider.slug, self.counters, self.log)
 
     def _record_preload(self) -> None:
         if self._start_cause == preload.CAUSE and self.last_start is not None:
@@ -394,6 +421,7 @@ class Front:
         await self.worker.stop()
         await self.admission.released(self)
         self.log.info("Worker stopped after %.1f s", asyncio.get_running_loop().time() - began)
+        self._flush()
         self._stopped.set()
         self._dispatch(Event.STOPPED)
 
@@ -433,6 +461,7 @@ class Front:
         await self._stopped.wait()
         for task in list(self._connections):
             task.cancel()
+        self._flush()
         self.done.set()
 
     async def stop(self, grace_s: float) -> dict[str, Any]:
@@ -450,6 +479,7 @@ class Front:
         elif self.state in (State.READY, State.STARTING):
             self._dispatch(Event.RELEASE, reason)
             await self._stopped.wait()
+        self._flush()
         return {"stopped": True, "cut": cut}
 
     async def retire(self) -> dict[str, Any]:
@@ -462,6 +492,7 @@ class Front:
         if self.state not in (State.READY, State.STARTING):
             return {"retired": True}
         reason = "Retiring the worker to make room on the GPU"
+        self.counters.count_retirement()
         if self.exit_on_idle:
             self.release(reason)
         else:
@@ -511,6 +542,7 @@ class Front:
             "memory": memory,
             "gpu": self.admission.status(self),
             "pinned": self.provider.pinned,
+            "counters": self.counters.to_json(),
         }
 
     def _update_status(self) -> None:

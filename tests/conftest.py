@@ -39,3 +39,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.vm)
             if not config.getoption("--run-vm"):
                 item.add_marker(pytest.mark.skip(reason="VM tier: run `make vm`"))
+
+
+@pytest.fixture(autouse=True)
+def _state_dir_of_this_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fronts made in-process keep counters and footprints under the state directory:
+    a test's own, never the host's /var/lib/providerd."""
+    monkeypatch.setenv("PROVIDERD_STATE_DIR", str(tmp_path / "state"))

@@ -66,6 +66,7 @@ def test_every_provider_field_is_documented_and_both_paths_agree(tmp_path: Path)
     assert set(running) | from_manifest == doc["providers"]
     assert set(running["last_start"]) == doc["last_start"]
     assert set(running["memory"]) == doc["memory"]
+    assert set(running["counters"]) == doc["counters"]
 
 
 def test_every_gpu_field_is_documented(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
