@@ -5,13 +5,14 @@ idle release of the provider (its front exits), and counters never go back."""
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from collections.abc import Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import Provider, probe_manifest
+from .conftest import FIGURES, Provider, probe_manifest
 from .nspawn import Container
 
 PORT = 18075
@@ -87,3 +88,15 @@ def test_scrapes_across_an_idle_release(ct: Container, provider: Provider, metri
     print(f"metrics: the service exited {time.monotonic() - t0:.1f} s after the last scrape")
     assert ct.active("providerd-metrics.socket") == "active"
     assert ct.sh("systemctl show -P Result providerd-metrics.service").out.strip() == "success"
+
+
+def test_the_metrics_service_is_sandboxed(ct: Container) -> None:
+    r = ct.sh("systemd-analyze security --no-pager providerd-metrics.service", check=False)
+    m = re.search(r"Overall exposure level for \S+: ([0-9.]+) (\w+)", r.out)
+    assert m, str(r)
+    FIGURES.append(f"systemd-analyze security providerd-metrics.service: {m.group(1)} {m.group(2)}")
+    assert float(m.group(1)) <= 2.5, r.out
+    verify = ct.sh(
+        "systemd-analyze verify --man=no providerd-metrics.socket providerd-metrics.service"
+    )
+    assert not verify.out.strip() and not verify.err.strip(), str(verify)
