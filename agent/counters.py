@@ -144,3 +144,72 @@ def save(slug: str, counters: Counters, log: logging.Logger) -> None:
         counters.dirty = False
     except OSError as e:
         log.warning("Failed to save the counters to %s: %s, ignoring", counters_file(slug), e)
+
+
+# -- the router's ------------------------------------------------------------------------
+
+ROUTER_FILE = "router-counters.json"  # beside the providers' directory: no slug can take it
+ROUTER_FLUSH_S = 5.0
+
+
+def router_file() -> Path:
+    return paths.state_dir() / ROUTER_FILE
+
+
+@dataclass
+class RouterCounters:
+    """The router's requests by provider, model and answer status, across its restarts.
+
+    Labels stay bounded whatever clients send: `model` is a declared exact name or ""
+    (a name matched by a pattern, an unknown name, no name), `provider` a slug or "".
+    """
+
+    requests: dict[tuple[str, str, int], int] = field(default_factory=dict)
+    dirty: bool = False
+
+    def count(self, provider: str, model: str, status: int) -> None:
+        k = (provider, model, status)
+        self.requests[k] = self.requests.get(k, 0) + 1
+        self.dirty = True
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [
+            {"provider": p, "model": m, "status": s, "requests": n}
+            for (p, m, s), n in sorted(self.requests.items())
+        ]
+
+    @classmethod
+    def from_json(cls, data: object) -> RouterCounters:
+        out = cls()
+        for item in data if isinstance(data, list) else []:
+            if not isinstance(item, dict):
+                continue
+            p, m, s, n = (item.get(k) for k in ("provider", "model", "status", "requests"))
+            if (
+                isinstance(p, str)
+                and isinstance(m, str)
+                and isinstance(s, int)
+                and isinstance(n, int)
+                and not isinstance(n, bool)
+                and 100 <= s <= 599
+                and n >= 0
+            ):
+                out.requests[(p, m, s)] = n
+        return out
+
+
+def load_router() -> RouterCounters:
+    try:
+        return RouterCounters.from_json(json.loads(router_file().read_text()))
+    except (OSError, ValueError):
+        return RouterCounters()
+
+
+def save_router(c: RouterCounters, log: logging.Logger) -> None:
+    if not c.dirty:
+        return
+    try:
+        write_atomic(router_file(), json.dumps(c.to_json()) + "\n")
+        c.dirty = False
+    except OSError as e:
+        log.warning("Failed to save the router's counters to %s: %s, ignoring", router_file(), e)

@@ -11,7 +11,9 @@ exits once `--idle-timeout` seconds pass without a scrape. Each scrape reads:
   socket exists only while a front runs, and `status` never starts anything;
 - for a provider whose front is not running, the counters its last front left in
   `/var/lib/providerd/counters/SLUG.json` (`agent.counters`), so counters carry on
-  across idle releases instead of going back to zero.
+  across idle releases instead of going back to zero;
+- the router's counters, which it saves within 5 s of a request and when it exits
+  (`/var/lib/providerd/router-counters.json`).
 
 `--listen HOST:PORT` binds the address itself (foreground use, tests).
 """
@@ -100,8 +102,9 @@ async def gather(slugs: Iterable[str], runtime_dir: Path | None = None) -> list[
     return list(await asyncio.gather(*(one(s) for s in names)))
 
 
-def render(samples: list[Sample]) -> bytes:
-    """The Prometheus text exposition of `samples` (prometheus_client's own writer)."""
+def render(samples: list[Sample], router: counters.RouterCounters | None = None) -> bytes:
+    """The Prometheus text exposition of `samples` and the router's counters
+    (prometheus_client's own writer)."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import (
         CounterMetricFamily,
@@ -173,9 +176,18 @@ def render(samples: list[Sample]) -> bytes:
             buckets = [(str(float(bound)), n) for bound, n in hist["buckets"]]
             buckets.append(("+Inf", hist["count"]))
             h_start.add_metric([s.slug], buckets, sum_value=hist["sum"])
+        c_router = CounterMetricFamily(
+            "providerd_router_requests",
+            "Requests the router answered, by provider, declared model name and status",
+            labels=["provider", "model", "code"],
+        )
+        for (slug, model, status), n in sorted(
+            (router or counters.RouterCounters()).requests.items()
+        ):
+            c_router.add_metric([slug, model, str(status)], n)
         return [
             state, g_flight, g_wait, g_reserved, g_used, g_mem,
-            c_served, c_refused, c_starts, c_fail, c_idle, c_retired, h_start,
+            c_served, c_refused, c_starts, c_fail, c_idle, c_retired, h_start, c_router,
         ]  # fmt: skip
 
     class Collector:
@@ -197,7 +209,7 @@ async def scrape() -> bytes:
     except Exception as e:  # a scrape reports what it can; a bad manifest is `check`'s job
         log.warning("Failed to read the manifests: %s; listing running providers only", e)
         slugs = []
-    return render(await gather(slugs))
+    return render(await gather(slugs), counters.load_router())
 
 
 # ---------------------------------------------------------------------------- the server

@@ -40,6 +40,7 @@ import stat
 from collections.abc import Callable, Iterable, Mapping
 from urllib.parse import unquote
 
+from agent import counters
 from agent.config import RouterConfig
 from agent.http import (
     MAX_HEAD,
@@ -253,6 +254,7 @@ class _Client(ResponseRelay):
         self.started = False  # the final response head went to the client
         self.gone = False  # the watch saw the client go away
         self._watching = False
+        self.label = ("", "")  # (provider, model) of the request being served, for counting
 
     # -- the loop
 
@@ -395,6 +397,7 @@ class _Client(ResponseRelay):
         connection goes on."""
         assert self.buf is not None
         self.continued = self.started = False
+        self.label = ("", "")
         try:
             req = parse_request_head(memoryview(self.buf)[self.start : head_end])
         except HttpError as e:
@@ -442,6 +445,7 @@ class _Client(ResponseRelay):
             body = bytes(memoryview(self.buf)[head_end:body_end])
         model = model_of(body)
         provider = self.router.table.lookup(model)
+        self.label = (provider.slug, model if model in self.router.table.names else "")
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "Routing %s %s for model %s to %s",
@@ -467,6 +471,7 @@ class _Client(ResponseRelay):
                 return await self.refuse(req, r, close=not req.keep_alive)
             doc = table.entry(name, provider)
         data = error_response(200, doc, close=not req.keep_alive, head_only=req.method == "HEAD")
+        self.router.count("", "", 200)
         await self.send_client(data)
         if not req.keep_alive:
             self.linger = True
@@ -476,6 +481,7 @@ class _Client(ResponseRelay):
         """Answer a refusal; log it at info level. Returns whether the connection goes on."""
         what = f"{req.method} {quoted(req.target)}" if req is not None else "a request"
         log.info("Refused %s: %d %s", what, refusal.status, refusal.message)
+        self.router.count(*self.label, refusal.status)
         head_only = req is not None and req.method == "HEAD"
         data = error_response(refusal.status, refusal.body(), close=close, head_only=head_only)
         if close:
@@ -606,6 +612,7 @@ class _Client(ResponseRelay):
         """Relay the provider's interim responses and its final one. Returns whether the
         client connection goes on."""
         resp, reusable = await self.relay_message(up, req.method)
+        self.router.count(*self.label, resp.status)
         if not reusable or not resp.keep_alive:
             self.drop_upstream()
         keep = req.keep_alive and resp.keep_alive and resp.body != "close" and not self.eof
@@ -656,6 +663,22 @@ class Router:
         self._idle_timer: asyncio.TimerHandle | None = None
         self._fresh: dict[_Client, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.counters = counters.load_router()  # where the last router left off
+        self._flush_timer: asyncio.TimerHandle | None = None
+
+    def count(self, provider: str, model: str, status: int) -> None:
+        """One answered request (`providerd_router_requests_total`), saved within 5 s."""
+        self.counters.count(provider, model, status)
+        if self._flush_timer is None:
+            self._flush_timer = asyncio.get_running_loop().call_later(
+                counters.ROUTER_FLUSH_S, self.flush
+            )
+
+    def flush(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        counters.save_router(self.counters, log)
 
     def unreachable_hint(self, provider: Provider) -> str:
         if self.systemd:
@@ -750,6 +773,7 @@ class Router:
         self.notify(f"STOPPING=1\nSTATUS={reason}")
         for task in list(self._tasks):
             task.cancel()
+        self.flush()
         self.done.set()
 
     async def stop(self, grace_s: float) -> None:
@@ -770,6 +794,7 @@ class Router:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        self.flush()
         self.done.set()
 
 

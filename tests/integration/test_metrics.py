@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import ROOT, Served, free_port, manifest, request
@@ -100,3 +103,35 @@ def test_counters_never_go_back_across_idle_releases_and_restarts(
     for a, b in itertools.pairwise(seen):
         for key in (SERVED, STARTS, IDLE):
             assert b[key] >= a[key], (key, a[key], b[key])
+
+
+def test_the_routers_requests_by_model_and_status(
+    serve: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rport = free_port()
+    settings = tmp_path / "providerd.toml"
+    settings.write_text(f'[router]\nenabled = true\naddress = "127.0.0.1:{rport}"\n')
+    monkeypatch.setenv("PROVIDERD_CONFIG", str(settings))
+    text = manifest(free_port()) + '[models]\nnames = ["m-1"]\npatterns = ["m-.*"]\n'
+    served: Served = serve(("m", text))
+    served.wait_log("Routing requests by model on 127.0.0.1:")
+
+    def post(model: str) -> int:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{rport}/v1/embeddings", data=json.dumps({"model": model}).encode()
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as e:
+            return int(e.code)
+
+    assert [post("m-1"), post("m-1"), post("m-by-pattern"), post("nobody")] == [200, 200, 200, 404]
+    served.proc.terminate()  # the router saves its counters as it exits
+    served.proc.wait(20)
+    with metrics_service(served, tmp_path / "state", tmp_path / "m0") as mport:
+        got = scrape(mport)
+    name = "providerd_router_requests_total"
+    assert got[(name, (("code", "200"), ("model", "m-1"), ("provider", "m")))] == 2
+    assert got[(name, (("code", "200"), ("model", ""), ("provider", "m")))] == 1  # a pattern
+    assert got[(name, (("code", "404"), ("model", ""), ("provider", "")))] == 1  # never its name

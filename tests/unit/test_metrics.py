@@ -168,3 +168,29 @@ def test_the_server_answers_scrapes_refuses_the_rest_and_exits_when_not_scraped(
     assert garbage.startswith(b"HTTP/1.1 400 ")
     assert 0.3 < float(waited) < 1.0  # exits idle_s after the last scrape
     assert json.dumps(list(got))  # every sample parsed
+
+
+def test_router_counters_round_trip_and_bounded_labels(tmp_path: Path) -> None:
+    c = counters.RouterCounters()
+    c.count("emb", "e5", 200)
+    c.count("emb", "e5", 200)
+    c.count("", "", 404)
+    counters.save_router(c, metrics.log)
+    assert counters.load_router().requests == {("emb", "e5", 200): 2, ("", "", 404): 1}
+    counters.router_file().write_text(
+        json.dumps([
+            {"provider": "x", "model": "", "status": 200, "requests": 3},
+            {"provider": 1, "model": "", "status": 200, "requests": 3},
+            {"provider": "y", "model": "", "status": 999, "requests": 3},
+            {"provider": "z", "model": "", "status": 200, "requests": True},
+            "junk",
+        ])
+    )  # fmt: skip
+    assert counters.load_router().requests == {("x", "", 200): 3}
+    counters.router_file().write_text("{")
+    assert counters.load_router().requests == {}
+    got = parse(metrics.render([], c))
+    assert (
+        value(got, "providerd_router_requests_total", provider="emb", model="e5", code="200") == 2
+    )
+    assert value(got, "providerd_router_requests_total", provider="", model="", code="404") == 1
