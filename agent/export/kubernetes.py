@@ -289,6 +289,16 @@ def _other_losses(p: Provider, losses: list[Loss]) -> None:
                 f"requests to {paths} keep the model up as well (the add-on counts every request)",
             )
         )
+    if p.pinned:
+        losses.append(
+            Loss("runtime.pinned", "pinning: the add-on scales an idle model to zero all the same")
+        )
+    if p.preload:
+        losses.append(Loss("runtime.preload", "loading at boot: the first request loads the model"))
+    if p.gpu_priority:
+        losses.append(
+            Loss("gpu.priority", "GPU admission priorities: the scheduler places pods on its own")
+        )
 
 
 def export_provider(p: Provider, opts: Options) -> Exported:

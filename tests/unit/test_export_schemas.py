@@ -344,7 +344,7 @@ def test_any_accepted_manifest_exports_valid_objects_or_says_why_not(
     assert "replicas" not in deployment or deployment["replicas"] <= 1
     so = objs["ScaledObject"]["spec"]
     assert so["maxReplicaCount"] == 1 and so["minReplicaCount"] == 0
-    assert p.idle_timeout_s <= so["cooldownPeriod"] < p.idle_timeout_s + 1
+    assert p.idle_timeout_s <= so["cooldownPeriod"] and so["cooldownPeriod"] - 1 < p.idle_timeout_s
     (container,) = deployment["template"]["spec"]["containers"]
     assert _startup_budget(container) >= p.start_timeout_s
     readiness = objs["InterceptorRoute"]["spec"]["timeouts"]["readiness"]
