@@ -144,6 +144,7 @@ def provider_status(slug: str, provider: Any) -> dict[str, Any]:
             "state": "inactive",
             "in_flight": 0,
             "waiting": 0,
+            "to_worker": 0,
             "served": None,
             "idle_for_s": None,
             "last_used": None,

@@ -28,6 +28,7 @@ from agent.listeners import Listeners
 from agent.model import Address, Provider
 from agent.proxy import Unavailable, serve_http, serve_tcp
 from agent.state import Action, Backoff, Event, State, step
+from agent.upstream import Upstream
 
 # A new connection counts as in flight until its first request arrives, at most this long,
 # so an idle exit never closes a connection whose request is on its way.
@@ -79,6 +80,7 @@ class _Connection:
         self.front = front
         self.slug = front.provider.slug
         self.request_timeout_s = front.provider.request_timeout_s
+        self.upstream = front.upstream
         self.fresh = True
         front.fresh += 1
         self.timer = asyncio.get_running_loop().call_later(FIRST_REQUEST_GRACE_S, self.end_grace)
@@ -96,6 +98,13 @@ class _Connection:
 
     async def ready(self) -> tuple[Address, int]:
         return await self.front.ready()
+
+    def alive(self, generation: int) -> bool:
+        front = self.front
+        return front.state == State.READY and front.generation == generation
+
+    def waiting_for_start(self) -> int:
+        return len(self.front.waiters)
 
     async def worker_gone(self, generation: int) -> str | None:
         return await self.front.worker_gone(generation)
@@ -126,6 +135,12 @@ class Front:
         self.fresh = 0  # connections whose first request has not arrived yet
         self._idle_due = False  # the idle deadline passed while `fresh` connections waited
         self.waiters: list[asyncio.Future[None]] = []
+        # Requests to the worker at once ([runtime] max_concurrency) and its kept connections.
+        self.upstream = Upstream(
+            provider.max_concurrency,
+            provider.max_held,
+            on_full=lambda: self.counters.count_refused("too_many_waiting"),
+        )
         self.generation = 0
         self.address = Address("127.0.0.1", provider.worker_port)
         self.served = 0
@@ -240,7 +255,7 @@ class Front:
     async def ready(self, cause: str = "request") -> tuple[Address, int]:
         if self.state == State.READY:
             return self.address, self.generation
-        if len(self.waiters) >= self.provider.max_held:
+        if len(self.waiters) + self.upstream.waiting >= self.provider.max_held:
             self.counters.count_refused("too_many_waiting")
             raise Unavailable(
                 503,
@@ -419,6 +434,7 @@ class Front:
         if self._release_reason:
             self.log.info("%s", self._release_reason)
         await self.worker.stop()
+        self.upstream.clear()
         await self.admission.released(self)
         self.log.info("Worker stopped after %.1f s", asyncio.get_running_loop().time() - began)
         self._flush()
@@ -427,6 +443,7 @@ class Front:
 
     def _worker_exited(self, reason: str) -> None:
         self.last_exit = (self.generation, reason)
+        self.upstream.clear()
         if self.state == State.READY:
             self.log.error("Worker exited unexpectedly: %s", reason)
             self._spawn(self.admission.released(self))
@@ -532,7 +549,8 @@ class Front:
             "slug": self.provider.slug,
             "state": self.state.value,
             "in_flight": self.in_flight,
-            "waiting": len(self.waiters),
+            "waiting": len(self.waiters) + self.upstream.waiting,
+            "to_worker": self.upstream.in_use,
             "served": self.served,
             "idle_for_s": idle_for,
             "last_used": self.last_used,

@@ -230,7 +230,8 @@ KEYS: tuple[Key, ...] = (
         "seconds",
         "number (seconds)",
         "300",
-        "How long one request may wait for its response once proxied.",
+        "How long a request proxied to the worker may go without a byte of its response: to the "
+        "first byte and between bytes (a stream may run longer as long as it keeps producing).",
         low=1,
         high=MAX_TIMEOUT_S,
     ),
@@ -407,6 +408,20 @@ KEYS: tuple[Key, ...] = (
         "[]",
         "Regular expressions a model name must match in full; a pattern may not match "
         "another provider's exact name.",
+    ),
+    Key(
+        "runtime",
+        "max_concurrency",
+        "int",
+        "integer",
+        "4",
+        "Requests in flight to the worker at once (and connections open to it); later ones wait "
+        "in the front in arrival order, counted in `waiting` and bounded by listen.max_held. "
+        "4 suits servers with a small accept queue (Python's backlog of 5, llama-server's "
+        "--parallel 4); raise it for servers that batch many requests (vLLM). "
+        "Upgraded connections (WebSocket) leave the count once switched.",
+        low=1,
+        high=100_000,
     ),
 )
 

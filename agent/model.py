@@ -76,7 +76,8 @@ class Provider:
     environment: tuple[tuple[str, str], ...] = ()  # ordered (name, value)
     working_directory: str | None = None
     start_timeout_s: float = 900.0
-    request_timeout_s: float = 300.0
+    request_timeout_s: float = 300.0  # inactivity: to the first response byte, and between bytes
+    max_concurrency: int = 4  # requests in flight to the worker at once
     idle_timeout_s: float = 600.0
     stop_timeout_s: float = 30.0  # bounded wait for requests in flight on `providerctl stop`
     idle_ignore_paths: tuple[str, ...] = ()

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Coroutine, Generator, Mapping
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from agent.http import (
     MAX_HEAD,
@@ -38,21 +38,30 @@ from agent.http import (
     skip_empty_lines,
 )
 from agent.model import Address
+from agent.ratelog import RateLog
 from agent.sockio import (
+    BODY_TIMEOUT_S,
     BUFFER_SIZE,
     BULK_SIZE,
+    HEAD_SIZE,
+    HEADER_TIMEOUT_S,
+    KEEPALIVE_TIMEOUT_S,
     close_lingering,
     connect,
     error_text,
     give,
     nodelay,
+    recv_within,
     shutdown_write,
     still_open,
     take,
     wait_readable,
 )
+from agent.upstream import QueueFull, Upstream, connect_retrying
 
 log = logging.getLogger(__name__)
+answers = RateLog(log)  # what the proxy answers by itself, rate-limited
+T = TypeVar("T")
 
 WORKER_GONE_RETRY_AFTER_S = 1.0
 WATCH_AFTER_S = 0.05  # a response slower than this: watch the client for a hang-up meanwhile
@@ -101,6 +110,8 @@ class Backend(Protocol):
     # bound (start_timeout_s). Tunnels after an upgrade and TCP connections have no limit.
     # <= 0: no limit.
     request_timeout_s: float
+    # The worker's side: concurrency slots (FIFO) and kept connections.
+    upstream: Upstream
 
     def lease(self, path: str | None) -> Lease:
         """Begin one unit of in-flight work: an HTTP request (`path` without the query) or a
@@ -112,6 +123,14 @@ class Backend(Protocol):
         """Wait until the worker answers; return its address and a generation number that
         changes with every worker start. Raises Unavailable. Cancelled when the client goes
         away while it waits; the load must go on regardless."""
+        ...
+
+    def alive(self, generation: int) -> bool:
+        """Worker `generation` still runs (a refused connect to it is worth retrying)."""
+        ...
+
+    def waiting_for_start(self) -> int:
+        """Requests waiting for the worker to start (they count against max_held too)."""
         ...
 
 
@@ -137,6 +156,10 @@ class ClientGone(Exception):
     """The client closed or reset its connection."""
 
 
+class ClientTimeout(ClientGone):
+    """The client sent nothing of a request body for BODY_TIMEOUT_S."""
+
+
 class UpstreamGone(Exception):
     """The upstream (the worker; a provider, for the router) closed, reset or refused the
     connection."""
@@ -145,10 +168,13 @@ class UpstreamGone(Exception):
 # -- socket helpers ------------------------------------------------------------------------
 
 
-async def _connect(loop: asyncio.AbstractEventLoop, address: Address) -> socket.socket:
-    """Connect to the worker. Raises UpstreamGone if it cannot be reached."""
+async def _connect(
+    loop: asyncio.AbstractEventLoop, address: Address, backend: Backend, generation: int
+) -> socket.socket:
+    """Connect to the worker, retrying a refused or reset connect while it runs. Raises
+    UpstreamGone if it cannot be reached."""
     try:
-        return await connect(loop, address)
+        return await connect_retrying(loop, address, lambda: backend.alive(generation))
     except OSError as e:
         raise UpstreamGone(
             f"the worker does not accept connections at {address}: {error_text(e)}"
@@ -181,18 +207,18 @@ async def _copy(loop: asyncio.AbstractEventLoop, src: socket.socket, dst: socket
             give(buf)
 
 
-class _Resume:
+class _Resume(Generic[T]):
     """Await a coroutine that has already run up to its first suspension (`first`, what it
     yielded). This is what `await` does from the start; it lets the proxy call
     `backend.ready()` synchronously first and set up the client watch only if it waits."""
 
     __slots__ = ("coro", "first")
 
-    def __init__(self, coro: Coroutine[Any, Any, tuple[Address, int]], first: Any) -> None:
+    def __init__(self, coro: Coroutine[Any, Any, T], first: Any) -> None:
         self.coro = coro
         self.first = first
 
-    def __await__(self) -> Generator[Any, Any, tuple[Address, int]]:
+    def __await__(self) -> Generator[Any, Any, T]:
         coro, pending = self.coro, self.first
         while True:
             try:
@@ -201,7 +227,7 @@ class _Resume:
                 try:
                     pending = coro.throw(exc)
                 except StopIteration as done:
-                    result: tuple[Address, int] = done.value
+                    result: T = done.value
                     return result
             else:
                 try:
@@ -251,6 +277,9 @@ class ResponseRelay:
         """An interim (1xx) response: passed on unless a subclass decides otherwise."""
         await self.send_client(head)
 
+    def progress(self) -> None:
+        """Bytes of the response moved (a subclass restarts its inactivity limit)."""
+
     def final_head(self, resp: ResponseHead) -> None:
         """The final head, before any of it is sent: a subclass may refuse it by raising."""
 
@@ -297,9 +326,11 @@ class ResponseRelay:
     async def recv_up(self, up: socket.socket, into: memoryview) -> int:
         """Read from the upstream into `into`; 0 at its EOF. Raises UpstreamGone."""
         try:
-            return await self.loop.sock_recv_into(up, into)
+            n = await self.loop.sock_recv_into(up, into)
         except OSError as e:
             raise UpstreamGone(f"the {self.peer} connection failed ({e.strerror or e})") from None
+        self.progress()
+        return n
 
     async def send_client(self, data: bytes | memoryview) -> None:
         """Send all of `data` to the client. Raises ClientGone."""
@@ -307,6 +338,7 @@ class ResponseRelay:
             await self.loop.sock_sendall(self.client, data)
         except OSError as e:
             raise ClientGone(f"client connection failed: {e.strerror or e}") from None
+        self.progress()
 
     async def relay_body(
         self, resp: ResponseHead, up: socket.socket, buf: bytearray, s: int, head_end: int, e: int
@@ -376,6 +408,21 @@ class ResponseRelay:
             await self.send_client(view[:n])
 
 
+def head_too_large(buf: bytearray, start: int, end: int) -> tuple[int, str]:
+    """431, or 414 when the request line alone fills MAX_HEAD."""
+    if buf.find(b"\n", start, end) < 0:
+        return 414, f"request line longer than {MAX_HEAD} bytes"
+    return 431, f"request head larger than {MAX_HEAD} bytes"
+
+
+def grown(buf: bytearray, used: int) -> bytearray:
+    """A buffer four times as large (at most BUFFER_SIZE) with buf[:used] in it."""
+    bigger = take(BUFFER_SIZE) if len(buf) * 4 >= BUFFER_SIZE else bytearray(len(buf) * 4)
+    bigger[:used] = buf[:used]
+    give(buf)
+    return bigger
+
+
 # -- one client connection -----------------------------------------------------------------
 
 
@@ -390,8 +437,10 @@ class _Connection:
         self.task = task
         self.client = client
         self.backend = backend
-        self.up: socket.socket | None = None
+        self.up: socket.socket | None = None  # the worker connection of the request in flight
         self.up_generation = -1
+        self.up_shut = False  # the client's half-close went on to it: not to be kept
+        self.slot = False  # this connection holds one of the worker's concurrency slots
         self.client_eof = False
         self.linger = False  # we close first: let the client read our last answer
         self._aborted: BaseException | None = None
@@ -433,6 +482,7 @@ class _Connection:
             self.abort(ClientGone("client closed the connection while waiting for the worker"))
         elif self.up is not None:
             shutdown_write(self.up)  # pass the half-close on; the response still flows back
+            self.up_shut = True
 
     def abort(self, exc: BaseException) -> None:
         """Stop what the connection's task awaits; `aborted()` turns the cancellation into exc."""
@@ -450,11 +500,43 @@ class _Connection:
 
     async def ready(self) -> tuple[Address, int]:
         """backend.ready(); while it waits, a client that goes away raises ClientGone."""
-        coro = self.backend.ready()
+        return await self.watched(self.backend.ready())
+
+    async def take_slot(self) -> None:
+        """One of the worker's concurrency slots, in arrival order; while it waits, a client
+        that goes away raises ClientGone. Raises Unavailable when too many wait."""
+        upstream = self.backend.upstream
+        try:
+            await self.watched(upstream.acquire(self.backend.waiting_for_start()))
+        except QueueFull:
+            max_held = upstream.max_waiting
+            raise Unavailable(
+                503,
+                f"too many requests waiting for the worker (max_held = {max_held})",
+                retry_after_s=1,
+            ) from None
+        self.slot = True
+
+    def give_slot(self) -> None:
+        """The request is over (or became a tunnel): keep its worker connection if it can
+        serve another request, and pass the slot on."""
+        if not self.slot:
+            return
+        self.slot = False
+        up, self.up = self.up, None
+        if up is not None:
+            if self.up_shut:
+                up.close()
+            else:
+                self.backend.upstream.keep(up, self.up_generation)
+        self.backend.upstream.release()
+
+    async def watched(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro`; if it has to wait, watch the client meanwhile (ClientGone) and park."""
         try:
             first = coro.send(None)
-        except StopIteration as done:  # ready at once: the usual case, no watch needed
-            result: tuple[Address, int] = done.value
+        except StopIteration as done:  # at once: the usual case, no watch needed
+            result: T = done.value
             return result
         except BaseException:
             coro.close()
@@ -483,15 +565,23 @@ class _Connection:
         on every quick request)."""
         self._watch_timer = self.loop.call_later(WATCH_AFTER_S, self.watch, False)
 
-    async def upstream(self, address: Address, generation: int) -> tuple[socket.socket, bool]:
-        """A connection to the worker: the previous one if still good, else a new one."""
+    async def upstream(
+        self, address: Address, generation: int, kept: bool = True
+    ) -> tuple[socket.socket, bool]:
+        """A connection to the worker: a kept one if still good (`kept`), else a new one."""
         up = self.up
         if up is not None:
             if generation == self.up_generation and still_open(up):
                 return up, True
             self.drop_upstream()
-        up = await _connect(self.loop, address)
-        self.up, self.up_generation = up, generation
+        self.up_shut = False
+        self.up_generation = generation
+        up = self.backend.upstream.take_idle(generation) if kept else None
+        if up is not None:
+            self.up = up
+            return up, True
+        up = await _connect(self.loop, address, self.backend, generation)
+        self.up = up
         return up, False
 
     def drop_upstream(self) -> None:
@@ -502,6 +592,8 @@ class _Connection:
     async def close(self) -> None:
         self.unwatch()
         self.drop_upstream()
+        if self.slot:
+            self.give_slot()
         await close_lingering(self.loop, self.client, self.linger and not self.client_eof)
 
 
@@ -518,6 +610,9 @@ class _Http(_Connection, ResponseRelay):
         self.deadline: asyncio.Timeout | None = None  # the request timeout
         self._parked: bytes | None = None  # buf[start:end] while waiting for the worker
         self.consumed = False  # the request body has been read from the client entirely
+        # The first head must be complete this soon after the accept; later ones within
+        # HEADER_TIMEOUT_S of their first byte (None: no head begun).
+        self.head_deadline: float | None = self.loop.time() + HEADER_TIMEOUT_S
 
     def park(self) -> None:
         # A held connection keeps only its request's bytes, not a whole buffer: a cold
@@ -529,7 +624,7 @@ class _Http(_Connection, ResponseRelay):
 
     def unpark(self) -> None:
         if self.buf is None and self._parked is not None:
-            self.buf = take()
+            self.buf = take(HEAD_SIZE if self.end <= HEAD_SIZE else BUFFER_SIZE)
             self.buf[self.start : self.end] = self._parked  # same offsets as before
             self._parked = None
 
@@ -544,6 +639,7 @@ class _Http(_Connection, ResponseRelay):
             except HttpError as e:
                 await self.answer(e.status, {"error": e.reason}, close=True)
                 return
+            self.head_deadline = None
             if not await self.request(request, head_end):
                 return
 
@@ -564,28 +660,40 @@ class _Http(_Connection, ResponseRelay):
                 self.start = skip_empty_lines(buf, self.start, self.end)
                 pending = self.end - self.start
                 if pending:
+                    if self.head_deadline is None:
+                        self.head_deadline = self.loop.time() + HEADER_TIMEOUT_S
                     head_end = find_head_end(buf, self.start, self.end)
                     if head_end >= 0:
                         return head_end
                     if pending >= MAX_HEAD:
-                        await self.answer(
-                            431, {"error": f"request head larger than {MAX_HEAD} bytes"}, close=True
-                        )
-                        return -1
+                        status, what = head_too_large(buf, self.start, self.end)
+                        return await self.refuse_head(status, what)
                     if self.end == len(buf):
-                        buf[:pending] = buf[self.start : self.end]
-                        self.start, self.end = 0, pending
+                        if self.start == 0:  # a head that fills a buffer: a larger one
+                            self.buf = buf = grown(buf, self.end)
+                        else:
+                            buf[:pending] = buf[self.start : self.end]
+                            self.start, self.end = 0, pending
                 else:
                     self.start = self.end = 0
             if self.client_eof:
                 return -1
             if buf is None:
-                buf = self.buf = take()
+                buf = self.buf = take(HEAD_SIZE)
             try:
                 n = self.client.recv_into(memoryview(buf)[self.end :])
             except BlockingIOError:
                 self.release_buffer()  # an idle connection holds no buffer
-                await wait_readable(self.loop, self.client)
+                deadline = self.head_deadline
+                if deadline is None:
+                    deadline = self.loop.time() + KEEPALIVE_TIMEOUT_S
+                if not await wait_readable(self.loop, self.client, deadline):
+                    if self.end > self.start or self.head_deadline is not None:
+                        return await self.refuse_head(
+                            408, f"request head not complete within {HEADER_TIMEOUT_S:g} s"
+                        )
+                    log.debug("Closing a keep-alive connection idle for %g s", KEEPALIVE_TIMEOUT_S)
+                    return -1
                 continue
             except OSError:
                 self.client_eof = True
@@ -597,6 +705,11 @@ class _Http(_Connection, ResponseRelay):
                 return -1
             self.end += n
 
+    async def refuse_head(self, status: int, error: str) -> int:
+        """Answer a head that cannot be read (408, 414, 431) and end the connection."""
+        await self.answer(status, {"error": error}, close=True)
+        return -1
+
     async def answer(
         self,
         status: int,
@@ -606,9 +719,13 @@ class _Http(_Connection, ResponseRelay):
         retry_after_s: float | None = None,
         head_only: bool = False,
     ) -> bool:
-        """Answer the client ourselves. Returns whether the connection can go on."""
+        """Answer the client ourselves (logged, rate-limited). Returns whether the
+        connection can go on."""
         full = {"error": body["error"], "provider": self.backend.slug, "retry_after_s": None}
         full.update(body)
+        answers.log(
+            str(status), "Answered a client %d: %s", status, body["error"], level=logging.WARNING
+        )
         data = error_response(
             status, full, close=close, retry_after_s=retry_after_s, head_only=head_only
         )
@@ -677,16 +794,44 @@ class _Http(_Connection, ResponseRelay):
         self, req: RequestHead, head_end: int, body_end: int, scanner: ChunkedScanner | None
     ) -> bool:
         try:
+            await self.ready()
+            await self.take_slot()
+            # The worker may have been replaced while this request waited for its slot.
             address, generation = await self.ready()
         except Unavailable as e:
+            self.give_slot()
             return await self.unavailable(req, e, body_end)
         except ClientGone:
+            self.give_slot()
             return False
+        try:
+            return await self.exchange_in_slot(
+                req, head_end, body_end, scanner, address, generation
+            )
+        finally:
+            self.deadline = None
+            self.give_slot()
+
+    def progress(self) -> None:
+        deadline = self.deadline
+        if deadline is not None:
+            deadline.reschedule(self.loop.time() + self.backend.request_timeout_s)
+
+    async def exchange_in_slot(
+        self,
+        req: RequestHead,
+        head_end: int,
+        body_end: int,
+        scanner: ChunkedScanner | None,
+        address: Address,
+        generation: int,
+    ) -> bool:
         timeout_s = self.backend.request_timeout_s
         try:
             try:
+                # An inactivity limit: progress() moves it on with every byte either way.
                 async with asyncio.timeout(timeout_s if timeout_s > 0 else None) as deadline:
-                    self.deadline = deadline
+                    self.deadline = deadline if timeout_s > 0 else None
                     return await self.forward(req, head_end, body_end, scanner, address, generation)
             except asyncio.CancelledError:
                 exc = self.aborted()
@@ -695,11 +840,16 @@ class _Http(_Connection, ResponseRelay):
                 raise exc from None
         except TimeoutError:
             self.drop_upstream()
+            what = f"no response from the worker for {timeout_s:g} s (request_timeout_s)"
+            if self.started:
+                answers.log("cut", "Cut a response: %s", what)
+                return False
+            return await self.answer_request(req, body_end, 504, {"error": what})
+        except ClientTimeout as e:
+            self.drop_upstream()
             if self.started:
                 return False
-            return await self.answer_request(
-                req, body_end, 504, {"error": f"request timed out after {timeout_s:g} s"}
-            )
+            return await self.answer(408, {"error": str(e)}, close=True)
         except UpstreamGone as e:
             self.drop_upstream()
             if self.started:
@@ -785,6 +935,7 @@ class _Http(_Connection, ResponseRelay):
             if not pump.done():
                 pump.cancel()
                 self.consumed = False
+                self.drop_upstream()  # part of a body went to it: never to be kept
 
     async def pump_body(
         self, req: RequestHead, up: socket.socket, head_end: int, scanner: ChunkedScanner | None
@@ -793,6 +944,9 @@ class _Http(_Connection, ResponseRelay):
         assert self.buf is not None
         remaining = req.length - (self.end - head_end)
         self.start = self.end = 0
+        if len(self.buf) < BUFFER_SIZE:  # a head's small buffer: a body wants a larger one
+            give(self.buf)
+            self.buf = take(BUFFER_SIZE)
         # A long Content-Length body takes a bulk buffer: nothing of the next request can
         # follow it there, since the pump never reads past the body's end.
         bulk = take(BULK_SIZE) if scanner is None and remaining > len(self.buf) else None
@@ -810,7 +964,11 @@ class _Http(_Connection, ResponseRelay):
         while True:
             limit = len(buf) if scanner is not None else min(len(buf), remaining)
             try:
-                n = await loop.sock_recv_into(self.client, view[:limit])
+                n = await recv_within(loop, self.client, view[:limit], BODY_TIMEOUT_S)
+            except TimeoutError:
+                raise ClientTimeout(
+                    f"no byte of the request body for {BODY_TIMEOUT_S:g} s"
+                ) from None
             except OSError as e:
                 raise ClientGone(f"client connection failed: {e.strerror or e}") from None
             if n == 0:
@@ -827,6 +985,7 @@ class _Http(_Connection, ResponseRelay):
                 await loop.sock_sendall(up, view[:last])
             except OSError as e:
                 raise UpstreamGone(f"the worker closed the connection ({e})") from None
+            self.progress()
             if scanner is None and remaining == 0:
                 self.consumed = True
                 return
@@ -851,6 +1010,7 @@ class _Http(_Connection, ResponseRelay):
         if resp.body == "tunnel":
             if self.deadline is not None:
                 self.deadline.reschedule(None)  # a tunnel lives as long as its peers want
+                self.deadline = None
             if pump is not None:
                 await pump
             if self.end > self.start:  # bytes the client sent after its head
@@ -859,7 +1019,12 @@ class _Http(_Connection, ResponseRelay):
                 self.start = self.end
             self.release_buffer()
             self.unwatch()
-            await _relay_both(loop, self.client, up)
+            self.up = None  # a tunnel's connection is its own: out of the slots, never kept
+            self.give_slot()
+            try:
+                await _relay_both(loop, self.client, up)
+            finally:
+                up.close()
             self.client_eof = True
             return False
         if pump is not None and pump.done() and not pump.cancelled():
@@ -910,7 +1075,7 @@ async def serve_tcp(client: socket.socket, backend: Backend) -> None:
     try:
         lease = backend.lease(None)
         address, generation = await conn.ready()
-        up, _ = await conn.upstream(address, generation)
+        up, _ = await conn.upstream(address, generation, kept=False)
         await _relay_both(conn.loop, client, up)
     except asyncio.CancelledError:
         if conn.aborted() is None:

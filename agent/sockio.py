@@ -14,17 +14,23 @@ import socket
 
 from agent.model import Address
 
+HEAD_SIZE = 4 * 1024  # a head's first buffer; grown to BUFFER_SIZE only if the head needs it
 BUFFER_SIZE = 64 * 1024  # heads and small bodies; must hold a whole head (http.MAX_HEAD)
 BULK_SIZE = 256 * 1024  # large bodies and busy tunnels, per direction
 LINGER_S = 2.0  # after answering and closing first, read and drop what the client still sends
 POOL_MAX = 64  # buffers kept per size
 
+# What a client may take (nginx: client_header_timeout, keepalive_timeout, client_body_timeout).
+HEADER_TIMEOUT_S = 10.0  # from a head's first byte (a new connection: from its accept) to its end
+KEEPALIVE_TIMEOUT_S = 60.0  # an open connection with no request
+BODY_TIMEOUT_S = 60.0  # between two reads of a request body
+
 # Free buffers by size. A buffer of another size (one grown for a whole body) is not kept.
-pools: dict[int, list[bytearray]] = {BUFFER_SIZE: [], BULK_SIZE: []}
+pools: dict[int, list[bytearray]] = {HEAD_SIZE: [], BUFFER_SIZE: [], BULK_SIZE: []}
 
 
 def take(size: int = BUFFER_SIZE) -> bytearray:
-    """A buffer of `size` bytes (BUFFER_SIZE or BULK_SIZE), from the pool if it has one."""
+    """A buffer of `size` bytes (HEAD_SIZE, BUFFER_SIZE or BULK_SIZE), from the pool if it has one."""
     pool = pools[size]
     return pool.pop() if pool else bytearray(size)
 
@@ -60,20 +66,40 @@ def still_open(sock: socket.socket) -> bool:
     return False
 
 
-async def wait_readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    """Wait until `sock` has something to read (data, EOF or an error), holding no buffer."""
-    fut: asyncio.Future[None] = loop.create_future()
+async def wait_readable(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, deadline: float | None = None
+) -> bool:
+    """Wait until `sock` has something to read (data, EOF or an error), holding no buffer.
+    False if `deadline` (loop time) came first."""
+    fut: asyncio.Future[bool] = loop.create_future()
     fd = sock.fileno()
 
-    def wake() -> None:
+    def wake(result: bool = True) -> None:
         if not fut.done():
-            fut.set_result(None)
+            fut.set_result(result)
 
     loop.add_reader(fd, wake)
+    timer = loop.call_at(deadline, wake, False) if deadline is not None else None
     try:
-        await fut
+        return await fut
     finally:
         loop.remove_reader(fd)
+        if timer is not None:
+            timer.cancel()
+
+
+async def recv_within(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, into: memoryview, timeout_s: float
+) -> int:
+    """recv_into() that waits at most `timeout_s` for bytes to come. Raises TimeoutError,
+    OSError."""
+    while True:
+        try:
+            return sock.recv_into(into)
+        except (BlockingIOError, InterruptedError):
+            pass
+        if not await wait_readable(loop, sock, loop.time() + timeout_s):
+            raise TimeoutError()
 
 
 def error_text(e: OSError) -> str:

@@ -101,6 +101,7 @@ async def shutdown(front: Front, worker: InProcessWorker) -> None:
     for task in list(front._connections):
         task.cancel()
     await asyncio.gather(*front._connections, return_exceptions=True)
+    front.upstream.clear()  # the kept worker connections (a worker stop does this too)
     await worker.stop()
     await asyncio.sleep(0)
 

@@ -21,6 +21,7 @@ import pytest
 from agent import sockio
 from agent.model import Address
 from agent.proxy import Unavailable, serve_http, serve_tcp
+from agent.upstream import Upstream
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -59,6 +60,14 @@ class FakeBackend:
         self.unavailable: Unavailable | None = None
         self.ready_cancelled = 0
         self.waiting = 0
+        self.upstream = Upstream(limit=1000, max_waiting=1000)
+        self.dead = False  # the worker is known to be gone: a refused connect is final
+
+    def alive(self, generation: int) -> bool:
+        return not self.dead
+
+    def waiting_for_start(self) -> int:
+        return self.waiting
 
     @property
     def paths(self) -> list[str | None]:
@@ -299,6 +308,7 @@ class Setup:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.proxy.stop()
+        self.backend.upstream.clear()
         await self.worker.stop()
 
 
@@ -643,6 +653,7 @@ def test_worker_refusing_connections_gives_503() -> None:
     async def test() -> None:
         async with Setup(echo_worker) as (worker, backend, px):
             await worker.stop()
+            backend.dead = True
             client = await px.connect()
             await client.send(b"GET / HTTP/1.1\r\n\r\n")
             status, _, body = await client.response()
@@ -714,7 +725,10 @@ def test_request_timeout_gives_504_and_the_connection_goes_on() -> None:
             await client.send(b"GET /slow HTTP/1.1\r\n\r\n")
             status, _, body = await client.response()
             assert status == 504
-            assert json.loads(body)["error"] == "request timed out after 0.2 s"
+            assert (
+                json.loads(body)["error"]
+                == "no response from the worker for 0.2 s (request_timeout_s)"
+            )
             assert backend.active == 0
             await client.send(b"GET /fast HTTP/1.1\r\n\r\n")
             assert (await client.response())[2] == b"ok"
@@ -920,6 +934,7 @@ def test_slow_reader_keeps_the_proxy_buffer_bounded() -> None:
                 assert backend.active == 0
             finally:
                 await px.stop()
+                backend.upstream.clear()
                 await worker.stop()
 
     run(test)
@@ -976,6 +991,7 @@ def test_unix_sockets_on_both_sides() -> None:
                 await px.settle()
             finally:
                 await px.stop()
+                backend.upstream.clear()
                 await worker.stop()
 
     run(test)
@@ -1031,7 +1047,7 @@ def test_tcp_unavailable_closes_and_gone_client_releases() -> None:
 def test_idle_connections_hold_no_buffer() -> None:
     async def test() -> None:
         async with Setup(echo_worker) as (_, _, px):
-            sockio.pools[sockio.BUFFER_SIZE].clear()
+            sockio.pools[sockio.HEAD_SIZE].clear()
             clients = [await px.connect() for _ in range(20)]
             for client in clients:
                 await client.send(b"GET / HTTP/1.1\r\n\r\n")
@@ -1039,7 +1055,7 @@ def test_idle_connections_hold_no_buffer() -> None:
             await asyncio.sleep(0.05)
             # Every buffer went back to the pool: had the idle connections kept theirs, the
             # emptied pool would have nothing in it now.
-            assert sockio.pools[sockio.BUFFER_SIZE]
+            assert sockio.pools[sockio.HEAD_SIZE]
             for client in clients:
                 client.close()
             await px.settle()
@@ -1126,7 +1142,7 @@ def test_held_requests_give_their_buffers_back_while_they_wait() -> None:
     async def test() -> None:
         async with Setup(echo_worker) as (_, backend, px):
             backend.gate.clear()
-            sockio.pools[sockio.BUFFER_SIZE].clear()
+            sockio.pools[sockio.HEAD_SIZE].clear()
             clients = [await px.connect() for _ in range(20)]
             for i, client in enumerate(clients):
                 await client.send(
@@ -1137,7 +1153,7 @@ def test_held_requests_give_their_buffers_back_while_they_wait() -> None:
                 while backend.waiting < 20:
                     await asyncio.sleep(0.005)
             # Had any held connection kept its buffer, the emptied pool would still be empty.
-            assert sockio.pools[sockio.BUFFER_SIZE]
+            assert sockio.pools[sockio.HEAD_SIZE]
             backend.gate.set()
             for i, client in enumerate(clients):
                 assert (await client.response())[2] == b"POST /p%d body%d" % (i, i % 10)
@@ -1163,7 +1179,7 @@ def test_requests_in_flight_hold_no_buffer_while_the_worker_works() -> None:
 
     async def test() -> None:
         async with Setup(slow) as (_, backend, px):
-            sockio.pools[sockio.BUFFER_SIZE].clear()
+            sockio.pools[sockio.HEAD_SIZE].clear()
             clients = [await px.connect() for _ in range(20)]
             for i, client in enumerate(clients):
                 await client.send(b"POST / HTTP/1.1\r\nContent-Length: 3\r\n\r\nr%02d" % i)
@@ -1172,7 +1188,7 @@ def test_requests_in_flight_hold_no_buffer_while_the_worker_works() -> None:
                     await asyncio.sleep(0.005)
             assert backend.active == 20
             # Had any request in flight kept a buffer, the emptied pool would be empty.
-            assert sockio.pools[sockio.BUFFER_SIZE]
+            assert sockio.pools[sockio.HEAD_SIZE]
             go.set()
             for i, client in enumerate(clients):
                 assert (await client.response())[2] == b"r%02d" % i
