@@ -47,7 +47,6 @@ from agent.sockio import (
     HEADER_TIMEOUT_S,
     KEEPALIVE_TIMEOUT_S,
     close_lingering,
-    connect,
     error_text,
     give,
     nodelay,
