@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import http.client
 import json
@@ -229,3 +230,51 @@ def test_load_goes_on_when_the_first_client_leaves(serve: Any) -> None:
     assert request(port, "/x")[0] == 200
     assert time.monotonic() - t0 < 1.0  # found it ready
     assert s.count("Starting worker") == 1
+
+
+async def _burst(port: int, n: int) -> list[int]:
+    """n clients at once, one GET each; the status each got (0: no answer)."""
+
+    async def one() -> int:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /work HTTP/1.1\r\nHost: t\r\n\r\n")
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            writer.close()
+            return int(head.split(b" ")[1])
+        except (OSError, asyncio.IncompleteReadError, IndexError, ValueError):
+            return 0
+
+    return await asyncio.gather(*(one() for _ in range(n)))
+
+
+def test_a_cold_burst_of_500_is_paced_to_max_concurrency_and_all_answered(serve: Any) -> None:
+    """A model server with a listen backlog of 5 (Python's default) resets most of a burst
+    it gets at once; the front holds the burst through the start, then hands the worker
+    max_concurrency requests at a time, in arrival order."""
+    port = free_port()
+    worker = ("--start-delay", "1", "--backlog", "5", "--work", "0.01")
+    s = serve(
+        ("paced", manifest(port, *worker, extra_runtime="max_concurrency = 3")),
+    )
+    statuses = asyncio.run(_burst(port, 500))
+    assert statuses.count(200) == 500, sorted(set(statuses))
+    _, _, body = request(port, "/conns")
+    conns = json.loads(body)
+    assert 1 <= conns["peak"] <= 3, conns
+    assert s.count("Starting worker") == 1
+
+
+def test_requests_beyond_max_held_are_refused_503_and_logged(serve: Any) -> None:
+    port = free_port()
+    worker = ("--work", "0.5")
+    s = serve(
+        ("full", manifest(port, *worker, extra_runtime="max_concurrency = 1", extra="max_held = 2")),
+    )
+    request(port, "/health")  # warm
+    statuses = asyncio.run(_burst(port, 6))
+    # One in flight, two waiting; the other three are refused at once.
+    assert statuses.count(200) == 3 and statuses.count(503) == 3, statuses
+    s.wait_log("Answered a client 503: too many requests waiting for the worker (max_held = 2)")

@@ -10,6 +10,7 @@ Where it listens
     --port N            TCP port (default: $PROVIDERD_WORKER_PORT)
     --host H            address (default 127.0.0.1; IPv6 allowed)
     --unix PATH         listen on a unix stream socket instead (an old file is removed)
+    --backlog N         listen queue size (default 1024; Python's own default is 5)
 
 Start
     --pid-file PATH     write the pid there first thing
@@ -35,12 +36,15 @@ Slowness
     --slow-body S       send answers in --body-chunks pieces (default 10) spread over S
     --body-chunks N     seconds: the first piece at once, the last after S seconds. Echo
                         answers keep their Content-Length; /stream is chunked
+    --work S            take S seconds over each echo answer (before its first byte)
 
 Echo
     --echo-env A,B      GET /env answers {"A": value or null, ...}
     --echo-argv         GET /argv answers sys.argv (ARGs after -- included)
 
-Endpoints: GET /health (200 {"status": "ok"}, or 503 {"status": "loading"}),
+Endpoints: GET /conns ({"open": N, "peak": N}: connections that carried a request other
+than /health, /pid or /conns, open now and at most at once),
+GET /health (200 {"status": "ok"}, or 503 {"status": "loading"}),
 GET /pid ({"pid": N}), GET /env and /argv (above), GET /stream?chunks=N&delay=S
 (chunked: N lines "chunk i", S seconds apart; by default --body-chunks lines spread
 over the --slow-body time, or 0.1 s apart without it); any other method and path answers
@@ -65,7 +69,7 @@ from urllib.parse import parse_qs, urlsplit
 
 CRASH_STATUS = 3
 READY_AT = 0.0  # time.monotonic() from which /health answers 200
-UNCOUNTED = ("/health", "/pid")
+UNCOUNTED = ("/health", "/pid", "/conns")
 
 
 def log(line: str) -> None:
@@ -77,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=int(os.environ.get("PROVIDERD_WORKER_PORT", "0")))
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--unix")
+    p.add_argument("--backlog", type=int, default=1024)
+    p.add_argument("--work", type=float, default=0.0)
     p.add_argument("--pid-file")
     p.add_argument("--start-delay", type=float, default=0.0)
     p.add_argument("--exit-at-start", type=int)
@@ -148,6 +154,8 @@ class Handler(BaseHTTPRequestHandler):
     args: argparse.Namespace
     lock = threading.Lock()
     counted = 0
+    open_now = 0
+    peak = 0
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -155,7 +163,14 @@ class Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         if isinstance(self.request, socket.socket) and self.request.family == socket.AF_UNIX:
             self.disable_nagle_algorithm = False
+        self.seen = False  # this connection carried a counted request
         super().setup()
+
+    def finish(self) -> None:
+        if self.seen:
+            with Handler.lock:
+                Handler.open_now -= 1
+        super().finish()
 
     def do_GET(self) -> None:
         self.handle_any()
@@ -172,12 +187,19 @@ class Handler(BaseHTTPRequestHandler):
     def handle_any(self) -> None:
         a = self.args
         url = urlsplit(self.path)
+        if url.path not in UNCOUNTED and not self.seen:
+            self.seen = True
+            with Handler.lock:
+                Handler.open_now += 1
+                Handler.peak = max(Handler.peak, Handler.open_now)
         length = self.read_body()
         if self.command == "GET" and url.path == "/health":
             if a.never_ready or time.monotonic() < READY_AT:
                 self.send_json(503, {"status": "loading"})
             else:
                 self.send_json(200, {"status": "ok"})
+        elif self.command == "GET" and url.path == "/conns":
+            self.send_json(200, {"open": Handler.open_now, "peak": Handler.peak})
         elif self.command == "GET" and url.path == "/pid":
             self.send_json(200, {"pid": os.getpid()})
         elif self.command == "GET" and url.path == "/env" and a.echo_env is not None:
@@ -191,6 +213,7 @@ class Handler(BaseHTTPRequestHandler):
             gap = 0.1 if a.slow_body is None else a.slow_body / max(1, chunks - 1)
             self.stream(chunks, float(query.get("delay", [gap])[0]))
         else:
+            time.sleep(a.work)
             echo = {"method": self.command, "path": self.path, "body_length": length}
             echo["pid"] = os.getpid()
             self.send_json(200, echo, slow=a.slow_body)
@@ -306,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             time.sleep(3600)
     Handler.args = a
+    TCPServer.request_queue_size = UnixServer.request_queue_size = a.backlog
     server: TCPServer | UnixServer
     if a.unix:
         if os.path.exists(a.unix):
