@@ -183,7 +183,11 @@ class Front:
         backend = _Connection(self)
         task = asyncio.get_running_loop().create_task(self._serve(conn, backend))
         self._connections.add(task)
-        task.add_done_callback(self._connections.discard)
+        task.add_done_callback(self._connection_done)
+
+    def _connection_done(self, task: asyncio.Task[None]) -> None:
+        self._connections.discard(task)
+        self.listening.closed()
 
     async def _serve(self, conn: socket.socket, backend: _Connection) -> None:
         try:

@@ -704,7 +704,11 @@ class Router:
         )
         task = client.task = asyncio.get_running_loop().create_task(self._serve(client))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._connection_done)
+
+    def _connection_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self.listening.closed()
 
     async def _serve(self, client: _Client) -> None:
         try:

@@ -75,7 +75,9 @@ class Served:
 def serve(tmp_path: Path) -> Iterator[object]:
     procs: list[Served] = []
 
-    def start(*manifests: tuple[str, str], wait: bool = True) -> Served:
+    def start(
+        *manifests: tuple[str, str], wait: bool = True, prefix: tuple[str, ...] = ()
+    ) -> Served:
         mdir = tmp_path / f"m{len(procs)}"
         mdir.mkdir(mode=0o755)
         for slug, text in manifests:
@@ -91,7 +93,7 @@ def serve(tmp_path: Path) -> Iterator[object]:
             "PYTHONUNBUFFERED": "1",
         }
         proc = subprocess.Popen(
-            [sys.executable, "-m", "agent", "serve", str(mdir)],
+            [*prefix, sys.executable, "-m", "agent", "serve", str(mdir)],
             env=env,
             stderr=subprocess.PIPE,
             stdout=subprocess.DEVNULL,

@@ -6,9 +6,11 @@ import asyncio
 import concurrent.futures
 import http.client
 import json
+import os
 import signal
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -271,10 +273,35 @@ def test_requests_beyond_max_held_are_refused_503_and_logged(serve: Any) -> None
     port = free_port()
     worker = ("--work", "0.5")
     s = serve(
-        ("full", manifest(port, *worker, extra_runtime="max_concurrency = 1", extra="max_held = 2")),
+        (
+            "full",
+            manifest(port, *worker, extra_runtime="max_concurrency = 1", extra="max_held = 2"),
+        ),
     )
     request(port, "/health")  # warm
     statuses = asyncio.run(_burst(port, 6))
     # One in flight, two waiting; the other three are refused at once.
     assert statuses.count(200) == 3 and statuses.count(503) == 3, statuses
     s.wait_log("Answered a client 503: too many requests waiting for the worker (max_held = 2)")
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_out_of_file_descriptors_the_front_pauses_instead_of_spinning(serve: Any) -> None:
+    """Regression: under `ulimit -n 64`, 80 idle connections made the front spin at 100% CPU
+    logging EMFILE and never answer again."""
+    port = free_port()
+    s = serve(("fds", manifest(port)), prefix=("prlimit", "--nofile=64:64", "--"))
+    assert request(port, "/health")[0] == 200
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(80)]
+    before = _cpu_s(s.proc.pid)
+    time.sleep(2)
+    used = _cpu_s(s.proc.pid) - before
+    for c in idle:
+        c.close()
+    assert used < 0.5, f"the front used {used:.2f} s of CPU in 2 s"
+    assert request(port, "/health", timeout=10)[0] == 200
+    assert s.count("Failed to accept connection") <= 1
