@@ -687,7 +687,7 @@ class _Http(_Connection, ResponseRelay):
                 if deadline is None:
                     deadline = self.loop.time() + KEEPALIVE_TIMEOUT_S
                 if not await wait_readable(self.loop, self.client, deadline):
-                    if self.end > self.start or self.head_deadline is not None:
+                    if self.end > self.start:
                         return await self.refuse_head(
                             408, f"request head not complete within {HEADER_TIMEOUT_S:g} s"
                         )

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from agent import sockio
+from agent import proxy, sockio
 from agent.model import Address
 from agent.proxy import Unavailable, serve_http, serve_tcp
 from agent.upstream import Upstream
@@ -1197,3 +1197,180 @@ def test_requests_in_flight_hold_no_buffer_while_the_worker_works() -> None:
             assert backend.active == 0
 
     run(test)
+
+
+# -- what a client may take ------------------------------------------------------------
+
+
+def test_a_head_not_complete_within_the_header_timeout_gets_408(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(proxy, "HEADER_TIMEOUT_S", 0.3)
+
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+            client = await px.connect()
+            await client.send(b"G")  # and nothing more
+            status, headers, _ = await client.response()
+            assert status == 408 and headers["connection"] == "close"
+            assert await client.eof()
+            client.close()
+            silent = await px.connect()  # a connection that never sends a byte
+            assert await silent.eof()
+            silent.close()
+            await px.settle()
+            assert backend.leases == []
+
+    run(test)
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(proxy, "KEEPALIVE_TIMEOUT_S", 0.3)
+
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, _backend, px):
+            client = await px.connect()
+            await client.send(b"GET /a HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert (await client.response())[0] == 200
+            assert await client.eof()  # closed without an answer
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_a_body_that_stops_coming_gets_408_and_releases_its_lease(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(proxy, "BODY_TIMEOUT_S", 0.3)
+
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+            client = await px.connect()
+            await client.send(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\n123")
+            status, _, _ = await client.response()
+            assert status == 408
+            assert await client.eof()
+            client.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
+
+
+def test_a_stream_longer_than_the_request_timeout_arrives_whole() -> None:
+    """request_timeout_s limits inactivity, not the whole response: a token stream that
+    keeps producing runs as long as it needs (it was cut at the deadline, without its last
+    chunk)."""
+
+    async def streaming(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(12):
+            await asyncio.sleep(0.05)
+            writer.write(b"2\r\n%02d\r\n" % i)
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async def test() -> None:
+        async with Setup(streaming) as (_, backend, px):
+            backend.request_timeout_s = 0.2  # the stream runs 0.6 s
+            client = await px.connect()
+            await client.send(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n")
+            status, _, body = await client.response()
+            assert status == 200
+            assert body == b"".join(b"2\r\n%02d\r\n" % i for i in range(12)) + b"0\r\n\r\n"
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_a_request_line_longer_than_the_head_limit_gets_414() -> None:
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, _backend, px):
+            client = await px.connect()
+            await client.send(b"GET /" + b"a" * 70000)
+            status, _, _ = await client.response()
+            assert status == 414
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_a_worker_that_refuses_for_a_moment_is_retried_while_it_runs() -> None:
+    async def test() -> None:
+        worker = await Worker(echo_worker).start()
+        address = worker.address
+        await worker.stop()  # the port refuses connections for now
+        backend = FakeBackend(address)
+        px = await Proxy(backend, serve_http).start()
+        client = await px.connect()
+        await client.send(b"GET /late HTTP/1.1\r\nHost: t\r\n\r\n")
+        await asyncio.sleep(0.3)
+        assert address.port is not None
+
+        async def echo_then_close(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                await echo_worker(r, w)
+            finally:
+                w.close()
+
+        server = await asyncio.start_server(echo_then_close, "127.0.0.1", address.port)
+        status, _, body = await client.response()
+        assert (status, body) == (200, b"GET /late ")
+        client.close()
+        await px.settle()
+        await px.stop()
+        backend.upstream.clear()
+        server.close()
+        await server.wait_closed()
+        await asyncio.sleep(0.05)  # the handler sees the EOF and closes its side
+
+    run(test)
+
+
+def test_requests_beyond_max_concurrency_wait_their_turn_in_order() -> None:
+    order: list[bytes] = []
+    open_now = [0]
+    peak = [0]
+
+    async def counting(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        open_now[0] += 1
+        peak[0] = max(peak[0], open_now[0])
+        try:
+            while True:
+                try:
+                    head, _ = await read_request(reader)
+                except asyncio.IncompleteReadError:
+                    return
+                order.append(head.split(b" ")[1])
+                await asyncio.sleep(0.02)
+                writer.write(ok())
+                await writer.drain()
+        finally:
+            open_now[0] -= 1
+
+    async def test() -> None:
+        async with Setup(counting) as (_, backend, px):
+            backend.upstream = Upstream(limit=2, max_waiting=100)
+            clients = []
+            for i in range(10):
+                client = await px.connect()
+                await client.send(b"GET /%d HTTP/1.1\r\nHost: t\r\n\r\n" % i)
+                clients.append(client)
+                await asyncio.sleep(0.002)  # arrival order
+            for client in clients:
+                assert (await client.response())[0] == 200
+                client.close()
+            await px.settle()
+            assert backend.upstream.in_use == 0 and backend.active == 0
+
+    run(test)
+    assert peak[0] == 2
+    assert order == [b"/%d" % i for i in range(10)]
