@@ -5,6 +5,14 @@ a message head ends, what the head says about the body that follows (none,
 Content-Length, chunked, close-delimited, or a tunnel after an upgrade), whether
 the connection stays open, and where a chunked body ends. It never rewrites a
 head: what a client sent is what the worker receives.
+
+Since the worker reads the same bytes with a parser of its own, a request is accepted
+only when there is one reading of it: CRLF line endings only, one Content-Length
+(no lists), Transfer-Encoding exactly `chunked`, never both, exactly one Host in
+HTTP/1.1, no framing field spelt with an underscore, strict chunk-size lines (no
+spaces, no bare CR or LF). Anything else is refused with 400, so no worker can see a
+request boundary the front did not (request smuggling past the leases and
+`idle_ignore_paths`). Responses from the worker are read more leniently.
 """
 
 from __future__ import annotations
@@ -125,12 +133,14 @@ Buffer = bytes | bytearray
 
 _TOKEN_CHARS = rb"!#$%&'*+\-.^_`|~0-9A-Za-z"
 _REQUEST_LINE = re.compile(
-    rb"([" + _TOKEN_CHARS + rb"]+) ([\x21-\x7e\x80-\xff]+) HTTP/([0-9])\.([0-9])\r?\n"
+    rb"([" + _TOKEN_CHARS + rb"]+) ([\x21-\x7e\x80-\xff]+) HTTP/([0-9])\.([0-9])\r\n"
 )
 _STATUS_LINE = re.compile(rb"HTTP/([0-9])\.([0-9]) ([0-9]{3})(?: ([^\r\n]*))?\r?\n")
 _BLOCK = re.compile(rb"(?:[" + _TOKEN_CHARS + rb"]+:[^\r\n\x00]*\r?\n)*\r?\n")
+_STRICT_BLOCK = re.compile(rb"(?:[" + _TOKEN_CHARS + rb"]+:[^\r\n\x00]*\r\n)*\r\n")
 _FRAMING = re.compile(
-    rb"^(content-length|transfer-encoding|connection|upgrade|expect):[ \t]*([^\r\n]*?)[ \t]*\r?$",
+    rb"^(content[-_]length|transfer[-_]encoding|connection|upgrade|expect|host):"
+    rb"[ \t]*([^\r\n]*?)[ \t]*\r?$",
     re.IGNORECASE | re.MULTILINE,
 )
 
@@ -166,25 +176,49 @@ def fields(block: bytes) -> list[tuple[str, str]]:
 class _Fields:
     """What the framing-relevant fields of a head say."""
 
-    __slots__ = ("connection", "content_length", "expect", "transfer_encoding", "upgrade")
+    __slots__ = (
+        "connection",
+        "content_length",
+        "content_lengths",
+        "expect",
+        "hosts",
+        "transfer_encoding",
+        "upgrade",
+    )
 
     def __init__(self) -> None:
         self.content_length: int | None = None
+        self.content_lengths = 0  # Content-Length values (fields, or items of a list)
+        self.hosts = 0
         self.transfer_encoding: list[str] = []
         self.connection: frozenset[str] | set[str] = frozenset()
         self.upgrade = False
         self.expect = ""
 
 
-def _fields(buf: Buffer, start: int, end: int, error_status: int) -> _Fields:
-    if not _BLOCK.fullmatch(buf, start, end):
+def _fields(buf: Buffer, start: int, end: int, error_status: int, strict: bool = False) -> _Fields:
+    if not (_STRICT_BLOCK if strict else _BLOCK).fullmatch(buf, start, end):
+        if strict and _BLOCK.fullmatch(buf, start, end):
+            raise HttpError(error_status, "a header line ends in a bare LF, not CRLF")
         raise _field_error(bytes(buf[start:end]).decode("latin-1"), error_status)
     f = _Fields()
     for m in _FRAMING.finditer(buf, start, end):
         key = m[1].lower()
         value = m[2].decode("latin-1")
-        if key == b"content-length":
+        if b"_" in key:
+            if strict:
+                name = m[1].decode("latin-1")
+                raise HttpError(
+                    error_status,
+                    f"header field {name!r} refused: a server may read it as "
+                    f"{name.replace('_', '-')!r}",
+                )
+            continue
+        if key == b"host":
+            f.hosts += 1
+        elif key == b"content-length":
             for part in value.split(","):
+                f.content_lengths += 1
                 part = part.strip(" \t")
                 if not part.isdigit() or not part.isascii() or len(part) > 18:
                     raise HttpError(error_status, f"invalid Content-Length {value!r}")
@@ -253,17 +287,29 @@ def parse_request_head(
         raise _request_line_error(buf, start, end)
     method = m[1].decode()
     version = _version(m[3], m[4], 400)
-    f = _fields(buf, m.end(), end, 400)
+    f = _fields(buf, m.end(), end, 400, strict=True)
     body: Body = "none"
     length = 0
+    if f.content_lengths > 1:
+        raise HttpError(400, "more than one Content-Length value")
+    if f.hosts > 1:
+        raise HttpError(400, "more than one Host field")
+    if version == 11 and not f.hosts:
+        raise HttpError(400, "an HTTP/1.1 request without a Host field")
     if f.transfer_encoding:
         if f.content_length is not None:
             raise HttpError(400, "both Transfer-Encoding and Content-Length")
         if version == 10:
             raise HttpError(400, "Transfer-Encoding in an HTTP/1.0 request")
-        if f.transfer_encoding[-1] != "chunked":
+        if "chunked" not in f.transfer_encoding:
             raise HttpError(
                 501, f"unsupported Transfer-Encoding {', '.join(f.transfer_encoding)!r}"
+            )
+        if f.transfer_encoding != ["chunked"]:
+            raise HttpError(
+                400,
+                f"Transfer-Encoding {', '.join(f.transfer_encoding)!r}: only a single "
+                "'chunked' is accepted",
             )
         body = "chunked"
     elif f.content_length:
@@ -322,14 +368,17 @@ def parse_response_head(
 class ChunkedScanner:
     """Follows a chunked body (RFC 9112 §7.1) as its bytes pass, to find where it ends.
 
-    Chunk extensions and trailer fields are accepted and passed on untouched.
+    Chunk extensions and trailer fields are accepted and passed on untouched. `strict`
+    (a request's body): lines end in CRLF, a size line is hex digits and extensions with
+    no spaces or control characters, trailers are well-formed fields.
     """
 
-    __slots__ = ("_line", "_remaining", "_state", "_trailers")
+    __slots__ = ("_line", "_remaining", "_state", "_strict", "_trailers")
 
     _SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
 
-    def __init__(self) -> None:
+    def __init__(self, strict: bool = False) -> None:
+        self._strict = strict
         self._state = self._SIZE
         self._remaining = 0
         self._line = bytearray()
@@ -371,6 +420,10 @@ class ChunkedScanner:
                 raise HttpError(400, "chunk line too long")
             if line.endswith(b"\r"):
                 line = line[:-1]
+            elif self._strict:
+                raise HttpError(400, "a chunk line ends in a bare LF, not CRLF")
+            if self._strict:
+                self._check(state, line)
             if state == self._SIZE:
                 size = line.split(b";", 1)[0].strip(b" \t")
                 if not _HEX.fullmatch(size):
@@ -389,6 +442,17 @@ class ChunkedScanner:
                 if self._trailers > MAX_HEADERS:
                     raise HttpError(400, "too many trailer fields")
         return pos if self._state == self._DONE else -1
+
+    def _check(self, state: int, line: bytes) -> None:
+        if state == self._SIZE:
+            if not _STRICT_CHUNK_SIZE.fullmatch(line):
+                raise HttpError(400, f"malformed chunk size line {line[:20]!r}")
+        elif state == self._TRAILER and line and not _STRICT_TRAILER.fullmatch(line):
+            raise HttpError(400, f"malformed trailer field {line[:20]!r}")
+
+
+_STRICT_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}(?:;[\x21-\x7e]+)*")
+_STRICT_TRAILER = re.compile(rb"[" + _TOKEN_CHARS + rb"]+:[^\r\n\x00]*")
 
 
 def error_response(

@@ -752,7 +752,7 @@ class _Http(_Connection, ResponseRelay):
             if self.end - head_end >= req.length:
                 body_end = head_end + req.length
         else:
-            scanner = ChunkedScanner()
+            scanner = ChunkedScanner(strict=True)
             try:
                 body_end = scanner.scan(self.buf, head_end, self.end)
             except HttpError as e:

@@ -361,7 +361,7 @@ class _Client(ResponseRelay):
                 while self.end - self.start < need:
                     await self.recv_client()
             return self.start + need
-        scanner = ChunkedScanner()
+        scanner = ChunkedScanner(strict=True)
         at = scanner.scan(self.buf, head_end, self.end)
         while at < 0:
             if self.end - self.start - head_len > max_body:

@@ -66,6 +66,7 @@ def always_ready_front(worker_port: int) -> None:
     sys.path.insert(0, str(ROOT))
     from agent.model import Address as Addr
     from agent.proxy import serve_http
+    from agent.upstream import Upstream
 
     class NoLease:
         def release(self) -> None:
@@ -76,9 +77,17 @@ def always_ready_front(worker_port: int) -> None:
         request_timeout_s = 300.0
         address = Addr("127.0.0.1", worker_port)
         no_lease = NoLease()
+        # As many requests at once as the bench sends: it measures the relay, not the pacing.
+        upstream = Upstream(limit=4096, max_waiting=100_000)
 
         def lease(self, path: str | None) -> NoLease:
             return self.no_lease
+
+        def alive(self, generation: int) -> bool:
+            return True
+
+        def waiting_for_start(self) -> int:
+            return 0
 
         async def ready(self) -> tuple[Addr, int]:
             return self.address, 1

@@ -53,17 +53,15 @@ def test_get_request() -> None:
     ],
 )
 def test_path_without_query(target: str, path: str) -> None:
-    assert parse_request_head(f"OPTIONS {target} HTTP/1.1\r\n\r\n".encode()).path == path
+    assert parse_request_head(f"OPTIONS {target} HTTP/1.1\r\nHost: t\r\n\r\n".encode()).path == path
 
 
 def test_content_length_and_chunked_bodies() -> None:
-    req = parse_request_head(b"POST / HTTP/1.1\r\nContent-Length: 12\r\n\r\n")
+    req = parse_request_head(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 12\r\n\r\n")
     assert (req.body, req.length) == ("length", 12)
-    req = parse_request_head(b"POST / HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+    req = parse_request_head(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n")
     assert req.body == "none"
-    req = parse_request_head(b"POST / HTTP/1.1\r\nContent-Length: 7, 7\r\n\r\n")
-    assert req.length == 7
-    req = parse_request_head(b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip, Chunked\r\n\r\n")
+    req = parse_request_head(b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: Chunked\r\n\r\n")
     assert req.body == "chunked"
 
 
@@ -75,15 +73,34 @@ def test_content_length_and_chunked_bodies() -> None:
         (b"G(T / HTTP/1.1\r\n\r\n", 400),
         (b"GET / HTTP/2.0\r\n\r\n", 505),
         (b"GET / HTTQ/1.1\r\n\r\n", 400),
-        (b"GET / HTTP/1.1\r\nNo-Colon\r\n\r\n", 400),
-        (b"GET / HTTP/1.1\r\nA : b\r\n\r\n", 400),
-        (b"GET / HTTP/1.1\r\nA: b\r\n folded\r\n\r\n", 400),
-        (b"GET / HTTP/1.1\r\nA: b\rc\r\n\r\n", 400),
-        (b"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400),
-        (b"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
-        (b"POST / HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: t\r\nNo-Colon\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: t\r\nA : b\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: t\r\nA: b\r\n folded\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: t\r\nA: b\rc\r\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: -1\r\n\r\n", 400),
+        (
+            b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n",
+            400,
+        ),
         (b"POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
-        (b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
+        (b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
+        # Ambiguous framing: a worker could read another request boundary than the front.
+        (b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked, chunked\r\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", 400),
+        (
+            b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
+            400,
+        ),
+        (b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 5, 5\r\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: a\r\nhost: a\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\nHost: a\n\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: a\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nHost: t\r\nTransfer_Encoding: chunked\r\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nHost: t\r\nContent_Length: 5\r\n\r\n", 400),
     ],
 )
 def test_malformed_requests(head: bytes, status: int) -> None:
@@ -93,14 +110,16 @@ def test_malformed_requests(head: bytes, status: int) -> None:
 
 
 def test_too_many_header_fields() -> None:
-    head = b"GET / HTTP/1.1\r\n" + b"A: b\r\n" * (MAX_HEADERS + 1) + b"\r\n"
+    head = b"GET / HTTP/1.1\r\nHost: t\r\n" + b"A: b\r\n" * (MAX_HEADERS + 1) + b"\r\n"
     with pytest.raises(HttpError) as info:
         parse_request_head(head)
     assert info.value.status == 431
 
 
 def test_keep_alive_rules() -> None:
-    assert not parse_request_head(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n").keep_alive
+    assert not parse_request_head(
+        b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+    ).keep_alive
     assert not parse_request_head(b"GET / HTTP/1.0\r\n\r\n").keep_alive
     assert parse_request_head(b"GET / HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n").keep_alive
     assert parse_response_head(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", "GET").keep_alive
@@ -111,12 +130,16 @@ def test_keep_alive_rules() -> None:
 
 def test_upgrade_connect_and_expect() -> None:
     req = parse_request_head(
-        b"GET /ws HTTP/1.1\r\nUpgrade: websocket\r\nConnection: keep-alive, Upgrade\r\n\r\n"
+        b"GET /ws HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: keep-alive, Upgrade\r\n\r\n"
     )
     assert req.upgrade
-    assert not parse_request_head(b"GET / HTTP/1.1\r\nUpgrade: websocket\r\n\r\n").upgrade
-    assert parse_request_head(b"CONNECT h:443 HTTP/1.1\r\n\r\n").upgrade
-    req = parse_request_head(b"PUT / HTTP/1.1\r\nExpect: 100-Continue\r\nContent-Length: 3\r\n\r\n")
+    assert not parse_request_head(
+        b"GET / HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\n\r\n"
+    ).upgrade
+    assert parse_request_head(b"CONNECT h:443 HTTP/1.1\r\nHost: t\r\n\r\n").upgrade
+    req = parse_request_head(
+        b"PUT / HTTP/1.1\r\nHost: t\r\nExpect: 100-Continue\r\nContent-Length: 3\r\n\r\n"
+    )
     assert req.expect_continue
 
 
@@ -206,6 +229,29 @@ def test_chunked_malformed(data: bytes) -> None:
         scanner.scan(b"\r\n0\r\n\r\n", 0, 7)
 
 
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"5;a\rb\r\nhello\r\n0\r\n\r\n",  # a lone CR in an extension
+        b" 5\r\nhello\r\n0\r\n\r\n",  # spaces around the size
+        b"5 \r\nhello\r\n0\r\n\r\n",
+        b"5 ;a=b\r\nhello\r\n0\r\n\r\n",
+        b"5\nhello\r\n0\r\n\r\n",  # bare LF
+        b"5\r\nhello\n0\r\n\r\n",
+        b"5\r\nhello\r\n0\r\nbad trailer\r\n\r\n",
+    ],
+)
+def test_strict_chunked_refuses_what_a_worker_may_read_otherwise(data: bytes) -> None:
+    with pytest.raises(HttpError) as info:
+        ChunkedScanner(strict=True).scan(data, 0, len(data))
+    assert info.value.status == 400
+
+
+def test_strict_chunked_takes_extensions_and_trailers() -> None:
+    data = b"5;name=value;flag\r\nhello\r\n0\r\nX-Sum: 1\r\n\r\nNEXT"
+    assert ChunkedScanner(strict=True).scan(data, 0, len(data)) == len(data) - 4
+
+
 def test_chunked_overlong_line() -> None:
     scanner = ChunkedScanner()
     with pytest.raises(HttpError):
@@ -226,11 +272,11 @@ def test_error_response() -> None:
 
 
 def test_heads_parse_from_a_memoryview_or_a_range_of_a_buffer() -> None:
-    buf = bytearray(b"xxGET /m HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc")
+    buf = bytearray(b"xxGET /m HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\n\r\nabc")
     end = find_head_end(buf, 2, len(buf))
     in_place = parse_request_head(buf, 2, end)
     viewed = parse_request_head(memoryview(buf)[2:end])
     assert (in_place.path, in_place.length) == (viewed.path, viewed.length) == ("/m", 3)
-    assert viewed.headers == [("Content-Length", "3")]
+    assert viewed.headers == [("Host", "h"), ("Content-Length", "3")]
     resp = parse_response_head(memoryview(b"HTTP/1.1 204 No Content\r\n\r\n"), "GET")
     assert (resp.status, resp.reason, resp.body) == (204, "No Content", "none")

@@ -322,7 +322,7 @@ def test_keep_alive_reuses_one_worker_connection_and_leases_each_request() -> No
             await client.send(b"GET /a?x=1 HTTP/1.1\r\nHost: h\r\n\r\n")
             assert await client.response() == (200, {"content-length": "11"}, b"GET /a?x=1 ")
             assert backend.active == 0  # released at the response's end
-            await client.send(b"POST /b HTTP/1.1\r\nContent-Length: 4\r\n\r\nbody")
+            await client.send(b"POST /b HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\n\r\nbody")
             assert (await client.response())[2] == b"POST /b body"
             assert backend.paths == ["/a", "/b"]
             assert all(lease.released for lease in backend.leases)
@@ -352,7 +352,7 @@ def test_lease_is_held_exactly_while_the_request_is_in_flight() -> None:
     async def test() -> None:
         async with Setup(slow) as (_, backend, px):
             client = await px.connect()
-            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
             await client.read_until(b"ab")
             seen.append(backend.active)  # response begun, not ended
             release.set()
@@ -370,7 +370,7 @@ def test_ignored_path_gets_the_path_without_query_and_a_non_holding_lease() -> N
         async with Setup(echo_worker) as (_, backend, px):
             backend.ignore = ("/health",)
             client = await px.connect()
-            await client.send(b"GET /health?verbose=1 HTTP/1.1\r\n\r\n")
+            await client.send(b"GET /health?verbose=1 HTTP/1.1\r\nHost: t\r\n\r\n")
             await client.response()
             assert backend.paths == ["/health"]
             assert not backend.leases[0].holding and backend.leases[0].released
@@ -385,10 +385,10 @@ def test_pipelined_requests_are_served_in_order() -> None:
         async with Setup(echo_worker) as (worker, backend, px):
             client = await px.connect()
             await client.send(
-                b"GET /1 HTTP/1.1\r\n\r\n"
-                b"POST /2 HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc"
+                b"GET /1 HTTP/1.1\r\nHost: t\r\n\r\n"
+                b"POST /2 HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\nabc"
                 b"\r\n"  # a stray CRLF between requests is allowed
-                b"GET /3 HTTP/1.1\r\nConnection: close\r\n\r\n"
+                b"GET /3 HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
             )
             bodies = [(await client.response())[2] for _ in range(3)]
             assert bodies == [b"GET /1 ", b"POST /2 abc", b"GET /3 "]
@@ -437,7 +437,7 @@ def test_chunked_request_and_response_with_extensions_and_trailers_pass_unchange
     async def test() -> None:
         async with Setup(chunked) as (_, backend, px):
             client = await px.connect()
-            head = b"POST /c HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+            head = b"POST /c HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
             # In pieces, so the body is still coming when the worker is reached.
             await client.send(head + CHUNKED_BODY[:10])
             await asyncio.sleep(0.05)
@@ -447,7 +447,7 @@ def test_chunked_request_and_response_with_extensions_and_trailers_pass_unchange
             assert await client.read_until(end) == CHUNKED_BODY
             assert received == [CHUNKED_BODY]
             # The framing ended where it should: the connection goes on.
-            await client.send(b"GET /next HTTP/1.1\r\n\r\n")
+            await client.send(b"GET /next HTTP/1.1\r\nHost: t\r\n\r\n")
             await client.read_until(b"\r\n\r\n")
             assert await client.read_until(end) == CHUNKED_BODY
             assert backend.paths == ["/c", "/next"] and backend.active == 0
@@ -470,7 +470,8 @@ def test_large_request_body_arrives_unchanged() -> None:
             client = await px.connect()
             sending = asyncio.create_task(
                 client.send(
-                    b"PUT /x HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload
+                    b"PUT /x HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % len(payload)
+                    + payload
                 )
             )
             _, _, body = await client.response()
@@ -498,7 +499,7 @@ def test_expect_100_continue_is_relayed_before_the_body() -> None:
         async with Setup(continuing) as (_, backend, px):
             client = await px.connect()
             await client.send(
-                b"PUT /u HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n"
+                b"PUT /u HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n"
             )
             assert await client.read_until(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
             await client.send(b"hello")
@@ -529,11 +530,11 @@ def test_responses_without_a_body_keep_the_connection(method: str, answer: bytes
     async def test() -> None:
         async with Setup(bodiless) as (_, backend, px):
             client = await px.connect()
-            await client.send(f"{method} / HTTP/1.1\r\n\r\n".encode())
+            await client.send(f"{method} / HTTP/1.1\r\nHost: t\r\n\r\n".encode())
             if answer.startswith(b"HTTP/1.1 103"):
                 assert (await client.response())[0] == 103
             assert (await client.response(method))[0] in (200, 204, 304)
-            await client.send(b"GET /next HTTP/1.1\r\n\r\n")
+            await client.send(b"GET /next HTTP/1.1\r\nHost: t\r\n\r\n")
             assert (await client.response())[2] == b"ok"
             assert backend.active == 0 and len(backend.leases) == 2
             client.close()
@@ -554,7 +555,7 @@ def test_close_delimited_response_is_relayed_to_eof() -> None:
     async def test() -> None:
         async with Setup(closing) as (_, backend, px):
             client = await px.connect()
-            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
             _, _, body = await client.response()
             assert body == b"".join(b"line %d\n" % i for i in range(50))
             client.close()
@@ -574,7 +575,7 @@ def test_unavailable_answers_503_json_with_retry_after_and_keeps_the_connection(
                 503, "worker failed to start", retry_after_s=2.5, extra={"state": "failed"}
             )
             client = await px.connect()
-            await client.send(b"POST /x HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi")
+            await client.send(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\nhi")
             status, headers, body = await client.response()
             assert status == 503 and headers["retry-after"] == "3"
             assert "connection" not in headers
@@ -586,7 +587,7 @@ def test_unavailable_answers_503_json_with_retry_after_and_keeps_the_connection(
             }
             # The body was read: the connection goes on.
             backend.unavailable = None
-            await client.send(b"GET /y HTTP/1.1\r\n\r\n")
+            await client.send(b"GET /y HTTP/1.1\r\nHost: t\r\n\r\n")
             assert (await client.response())[2] == b"GET /y "
             assert backend.active == 0 and worker.connections == 1
             client.close()
@@ -600,7 +601,9 @@ def test_unavailable_with_an_unread_body_closes_after_the_answer() -> None:
         async with Setup(echo_worker) as (_, backend, px):
             backend.unavailable = Unavailable(503, "stopping", retry_after_s=None)
             client = await px.connect()
-            await client.send(b"POST /x HTTP/1.1\r\nContent-Length: 100000\r\n\r\n" + b"x" * 1000)
+            await client.send(
+                b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 100000\r\n\r\n" + b"x" * 1000
+            )
             status, headers, body = await client.response()
             assert status == 503 and headers["connection"] == "close"
             assert "retry-after" not in headers
@@ -622,7 +625,7 @@ def test_lease_refused_by_the_front_is_answered() -> None:
 
             backend.lease = refuse  # type: ignore[method-assign]
             client = await px.connect()
-            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
             status, headers, _ = await client.response()
             assert status == 429 and headers["retry-after"] == "1"
             client.close()
@@ -638,7 +641,7 @@ def test_worker_closing_before_the_response_gives_503() -> None:
     async def test() -> None:
         async with Setup(dying) as (_, backend, px):
             client = await px.connect()
-            await client.send(b"POST / HTTP/1.1\r\nContent-Length: 1\r\n\r\nx")
+            await client.send(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 1\r\n\r\nx")
             status, headers, body = await client.response()
             assert status == 503 and headers["retry-after"] == "1"
             assert "before answering" in json.loads(body)["error"]
@@ -655,7 +658,7 @@ def test_worker_refusing_connections_gives_503() -> None:
             await worker.stop()
             backend.dead = True
             client = await px.connect()
-            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
             status, _, body = await client.response()
             assert status == 503
             assert "does not accept connections" in json.loads(body)["error"]
@@ -676,7 +679,7 @@ def test_worker_dying_in_the_middle_of_a_response_cuts_the_client() -> None:
     async def test() -> None:
         async with Setup(cut) as (_, backend, px):
             client = await px.connect()
-            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
             data = await client.read_to_eof()
             assert data.endswith(b"\r\n\r\n0123456789")
             client.close()
@@ -695,7 +698,7 @@ def test_malformed_worker_response_gives_502() -> None:
     async def test() -> None:
         async with Setup(garbage) as (_, backend, px):
             client = await px.connect()
-            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
             status, headers, _ = await client.response()
             assert status == 502 and headers["connection"] == "close"
             client.close()
@@ -722,7 +725,7 @@ def test_request_timeout_gives_504_and_the_connection_goes_on() -> None:
         async with Setup(mute) as (worker, backend, px):
             backend.request_timeout_s = 0.2
             client = await px.connect()
-            await client.send(b"GET /slow HTTP/1.1\r\n\r\n")
+            await client.send(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n")
             status, _, body = await client.response()
             assert status == 504
             assert (
@@ -730,7 +733,7 @@ def test_request_timeout_gives_504_and_the_connection_goes_on() -> None:
                 == "no response from the worker for 0.2 s (request_timeout_s)"
             )
             assert backend.active == 0
-            await client.send(b"GET /fast HTTP/1.1\r\n\r\n")
+            await client.send(b"GET /fast HTTP/1.1\r\nHost: t\r\n\r\n")
             assert (await client.response())[2] == b"ok"
             assert worker.connections == 2 and stuck == [True]
             client.close()
@@ -750,7 +753,7 @@ def test_request_timeout_after_the_response_began_closes() -> None:
         async with Setup(stalls) as (_, backend, px):
             backend.request_timeout_s = 0.2
             client = await px.connect()
-            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
             assert (await client.read_to_eof()).endswith(b"\r\n\r\n12345")
             client.close()
             await px.settle()
@@ -770,7 +773,7 @@ def test_bad_request_head_and_oversized_head() -> None:
             assert await client.eof()
             client.close()
             client = await px.connect()
-            await client.send(b"GET / HTTP/1.1\r\n" + b"X: " + b"y" * 70000)
+            await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n" + b"X: " + b"y" * 70000)
             status, _, _ = await client.response()
             assert status == 431
             client.close()
@@ -789,8 +792,8 @@ def test_held_request_is_served_once_ready_and_dropped_if_the_client_leaves() ->
             backend.gate.clear()
             held = await px.connect()
             leaving = await px.connect()
-            await held.send(b"GET /held HTTP/1.1\r\n\r\n")
-            await leaving.send(b"GET /leaving HTTP/1.1\r\n\r\n")
+            await held.send(b"GET /held HTTP/1.1\r\nHost: t\r\n\r\n")
+            await leaving.send(b"GET /leaving HTTP/1.1\r\nHost: t\r\n\r\n")
             async with asyncio.timeout(2):
                 while backend.waiting < 2:
                     await asyncio.sleep(0.005)
@@ -813,10 +816,10 @@ def test_new_worker_generation_gets_a_new_worker_connection() -> None:
     async def test() -> None:
         async with Setup(echo_worker) as (worker, backend, px):
             client = await px.connect()
-            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
             await client.response()
             backend.generation += 1
-            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
             await client.response()
             assert worker.connections == 2
             client.close()
@@ -835,7 +838,7 @@ def test_worker_connection_closed_between_requests_is_replaced() -> None:
         async with Setup(one_shot) as (worker, _, px):
             client = await px.connect()
             for _ in range(3):
-                await client.send(b"GET / HTTP/1.1\r\n\r\n")
+                await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
                 assert (await client.response())[0] == 200
                 await asyncio.sleep(0.02)
             assert worker.connections == 3
@@ -854,7 +857,7 @@ def test_backend_error_never_escapes_and_releases_the_lease() -> None:
 
             backend.ready = broken  # type: ignore[method-assign]
             client = await px.connect()
-            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
             assert await client.eof()
             client.close()
             await px.settle()  # asserts no task raised
@@ -878,7 +881,7 @@ def test_http_client_half_close_is_passed_on_and_the_response_still_arrives() ->
     async def test() -> None:
         async with Setup(answers_after_eof) as (_, backend, px):
             client = await px.connect()
-            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
             await asyncio.sleep(0.05)
             client.sock.shutdown(socket.SHUT_WR)
             assert (await client.response())[2] == b"late"
@@ -912,7 +915,7 @@ def test_slow_reader_keeps_the_proxy_buffer_bounded() -> None:
             px = await Proxy(backend, serve_http).start(unix=str(Path(tmp) / "p.sock"))
             try:
                 client = await px.connect()
-                await client.send(b"GET / HTTP/1.1\r\n\r\n")
+                await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
                 # The client reads nothing: the worker must stall soon.
                 last = -1
                 while written[0] != last:
@@ -959,7 +962,7 @@ def test_upgrade_becomes_a_tunnel_that_keeps_its_lease_past_the_request_timeout(
             backend.request_timeout_s = 0.1
             client = await px.connect()
             await client.send(
-                b"GET /ws HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\nearly"
+                b"GET /ws HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\nearly"
             )
             assert (await client.read_until(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
             assert await client.read_exactly(5) == b"hello"
@@ -985,7 +988,7 @@ def test_unix_sockets_on_both_sides() -> None:
             px = await Proxy(backend, serve_http).start(unix=str(Path(tmp) / "p.sock"))
             try:
                 client = await px.connect()
-                await client.send(b"GET /u HTTP/1.1\r\n\r\n")
+                await client.send(b"GET /u HTTP/1.1\r\nHost: t\r\n\r\n")
                 assert (await client.response())[2] == b"GET /u "
                 client.close()
                 await px.settle()
@@ -1050,7 +1053,7 @@ def test_idle_connections_hold_no_buffer() -> None:
             sockio.pools[sockio.HEAD_SIZE].clear()
             clients = [await px.connect() for _ in range(20)]
             for client in clients:
-                await client.send(b"GET / HTTP/1.1\r\n\r\n")
+                await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
                 await client.response()
             await asyncio.sleep(0.05)
             # Every buffer went back to the pool: had the idle connections kept theirs, the
@@ -1081,7 +1084,9 @@ def test_client_leaving_in_the_middle_of_a_response_closes_the_worker_connection
     async def test() -> None:
         async with Setup(streaming) as (_, backend, px):
             client = await px.connect()
-            await client.send(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+            await client.send(
+                b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n"
+            )
             await client.read_until(b"token\r\n")
             assert backend.active == 1
             client.close()
@@ -1101,7 +1106,7 @@ def test_cancelling_the_connection_task_releases_the_lease_and_closes() -> None:
     async def test() -> None:
         async with Setup(mute) as (_, backend, px):
             client = await px.connect()
-            await client.send(b"GET / HTTP/1.1\r\n\r\n")
+            await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
             async with asyncio.timeout(2):
                 while backend.active != 1:
                     await asyncio.sleep(0.005)
@@ -1122,7 +1127,7 @@ def test_held_request_gets_503_when_the_start_fails() -> None:
         async with Setup(echo_worker) as (_, backend, px):
             backend.gate.clear()
             client = await px.connect()
-            await client.send(b"GET /held HTTP/1.1\r\n\r\n")
+            await client.send(b"GET /held HTTP/1.1\r\nHost: t\r\n\r\n")
             async with asyncio.timeout(2):
                 while backend.waiting < 1:
                     await asyncio.sleep(0.005)
@@ -1146,8 +1151,9 @@ def test_held_requests_give_their_buffers_back_while_they_wait() -> None:
             clients = [await px.connect() for _ in range(20)]
             for i, client in enumerate(clients):
                 await client.send(
-                    b"POST /p%d HTTP/1.1\r\nContent-Length: 5\r\n\r\nbody%d" % (i, i % 10)
-                    + b"GET /after HTTP/1.1\r\n\r\n"  # pipelined behind it
+                    b"POST /p%d HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n\r\nbody%d"
+                    % (i, i % 10)
+                    + b"GET /after HTTP/1.1\r\nHost: t\r\n\r\n"  # pipelined behind it
                 )
             async with asyncio.timeout(2):
                 while backend.waiting < 20:
@@ -1182,7 +1188,9 @@ def test_requests_in_flight_hold_no_buffer_while_the_worker_works() -> None:
             sockio.pools[sockio.HEAD_SIZE].clear()
             clients = [await px.connect() for _ in range(20)]
             for i, client in enumerate(clients):
-                await client.send(b"POST / HTTP/1.1\r\nContent-Length: 3\r\n\r\nr%02d" % i)
+                await client.send(
+                    b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\nr%02d" % i
+                )
             async with asyncio.timeout(2):
                 while arrived[0] < 20:
                     await asyncio.sleep(0.005)
@@ -1374,3 +1382,36 @@ def test_requests_beyond_max_concurrency_wait_their_turn_in_order() -> None:
     run(test)
     assert peak[0] == 2
     assert order == [b"/%d" % i for i in range(10)]
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n5\r\n",
+        b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 5, 5\r\n\r\nhello",
+        b"POST / HTTP/1.1\r\nHost: t\r\nTransfer_Encoding: chunked\r\nContent-Length: 5\r\n\r\nhello",
+        b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n5;a\rb\r\nhello\r\n0\r\n\r\n",
+        b"GET / HTTP/1.1\nHost: t\n\n",
+    ],
+)
+def test_ambiguous_framing_is_refused_before_the_worker_sees_a_byte(request_bytes: bytes) -> None:
+    """Regression: with `chunked, chunked` the worker read a 0-length body, then `5\\r\\n` as
+    the next request, past the front's lease."""
+    seen: list[bytes] = []
+
+    async def recording(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await reader.read())
+
+    async def test() -> None:
+        async with Setup(recording) as (_, backend, px):
+            client = await px.connect()
+            await client.send(request_bytes)
+            status, headers, _ = await client.response()
+            assert status == 400 and headers["connection"] == "close"
+            assert await client.eof()
+            client.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
+    assert seen in ([], [b""])

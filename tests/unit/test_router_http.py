@@ -412,7 +412,8 @@ def test_refusals_are_openai_errors_and_the_connection_goes_on(
 ) -> None:
     c = Client(two.port)
     c.send(
-        b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s"
+        % (len(body), body)
     )
     got, headers, answer = c.response()
     assert got == status
@@ -452,7 +453,7 @@ def test_upgrades_are_refused(two: RunningRouter) -> None:
 
 def test_a_malformed_head_is_400(two: RunningRouter) -> None:
     c = Client(two.port)
-    c.send(b"POST /x HTTP/1.1\r\nContent-Length: 1, 2\r\n\r\n")
+    c.send(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 1, 2\r\n\r\n")
     assert c.response()[0] == 400
     assert c.closed()
 
@@ -512,7 +513,7 @@ def test_models_are_listed_without_touching_a_provider(
     c.send(b"GET /v1/models/nope%0A HTTP/1.1\r\nHost: x\r\n\r\n")
     status, _, body = c.response()
     assert status == 404 and '"nope\\n"' in error(body)["message"]
-    c.send(b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\n\r\nGET /v1/models HTTP/1.1\r\n\r\n")
+    c.send(b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
     while (end := find_head_end(c.buf, 0, len(c.buf))) < 0:
         assert c._fill()
     assert c.buf.startswith(b"HTTP/1.1 200 OK\r\n")
