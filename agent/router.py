@@ -38,6 +38,8 @@ import signal
 import socket
 import stat
 from collections.abc import Callable, Iterable, Mapping
+from importlib import import_module
+from typing import Any
 from urllib.parse import unquote
 
 from agent import counters
@@ -55,13 +57,19 @@ from agent.http import (
 )
 from agent.listeners import Listeners
 from agent.model import Address, Provider
-from agent.proxy import IDEMPOTENT, ClientGone, ResponseRelay, UpstreamGone
+from agent.origin import OriginCheck
+from agent.proxy import IDEMPOTENT, ClientGone, ResponseRelay, UpstreamGone, grown, head_too_large
 from agent.sockio import (
+    BODY_TIMEOUT_S,
     BUFFER_SIZE,
+    HEAD_SIZE,
+    HEADER_TIMEOUT_S,
+    KEEPALIVE_TIMEOUT_S,
     close_lingering,
     connect,
     error_text,
     give,
+    recv_within,
     still_open,
     take,
     wait_readable,
@@ -74,7 +82,7 @@ FIRST_REQUEST_GRACE_S = 5.0  # a new connection counts as busy until its first r
 STOP_GRACE_S = 30.0  # on SIGTERM, requests in flight get this long to finish
 NAME_SHOWN_MAX = 120  # characters of a requested name shown in logs and messages
 CACHE_MAX = 4096  # pattern lookups remembered
-CACHE_NAME_MAX = 256  # longer names are matched every time, not remembered
+PATTERN_NAME_MAX = 256  # longer names are looked up exactly, never matched against patterns
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 assert BUFFER_SIZE >= MAX_HEAD
@@ -127,10 +135,18 @@ class Table:
         self.providers = sorted(providers, key=lambda p: p.slug)
         self.names: dict[str, Provider] = {}
         self.patterns: list[tuple[re.Pattern[str], Provider]] = []
+        self.skipped: list[str] = []  # patterns left out, with why
         for p in self.providers:
             for name in p.model_names:
                 self.names.setdefault(name, p)  # collisions were refused by the manifest checks
-            self.patterns += [(re.compile(pattern), p) for pattern in p.model_patterns]
+            for pattern in p.model_patterns:
+                if nested_repetition(pattern):
+                    self.skipped.append(
+                        f'provider "{p.slug}": pattern {quoted(pattern)} repeats a repetition '
+                        "(like (a+)+), which can take exponential time on a crafted name"
+                    )
+                    continue
+                self.patterns.append((re.compile(pattern), p))
         self.created = dict(created or {})
         self._cache: dict[str, tuple[Provider, ...]] = {}
 
@@ -140,6 +156,8 @@ class Table:
         exact = self.names.get(model)
         if exact is not None:
             return (exact,)
+        if len(model) > PATTERN_NAME_MAX:
+            return ()  # bounds the cost of any one lookup: patterns see short names only
         hit = self._cache.get(model)
         if hit is None:
             found: list[Provider] = []
@@ -147,10 +165,9 @@ class Table:
                 if (not found or found[-1] is not p) and p not in found and rx.fullmatch(model):
                     found.append(p)
             hit = tuple(found)
-            if len(model) <= CACHE_NAME_MAX:
-                if len(self._cache) >= CACHE_MAX:
-                    self._cache.clear()
-                self._cache[model] = hit
+            if len(self._cache) >= CACHE_MAX:
+                self._cache.clear()
+            self._cache[model] = hit
         return hit
 
     def lookup(self, model: str) -> Provider:
@@ -184,6 +201,38 @@ class Table:
     def listing(self) -> dict[str, object]:
         """`GET /v1/models`: every exact name, in OpenAI's list format."""
         return {"object": "list", "data": [self.entry(n, p) for n, p in self.names.items()]}
+
+
+# The regular expression parser's own tree (untyped, private, stable since 3.11).
+re_parser: Any = import_module("re._parser")
+re_constants: Any = import_module("re._constants")
+
+
+def nested_repetition(pattern: str) -> bool:
+    """A repetition inside a repetition (`(a+)+`, `(x*y?)*`): the shape whose backtracking
+    grows exponentially with the subject's length."""
+    try:
+        tree = re_parser.parse(pattern)
+    except re.error:
+        return False
+
+    def walk(items: Iterable[tuple[Any, Any]], inside: bool) -> bool:
+        for op, arg in items:
+            if op in (re_constants.MAX_REPEAT, re_constants.MIN_REPEAT):
+                low, high, sub = arg
+                varies = high is re_constants.MAXREPEAT or high != low
+                if varies and inside:
+                    return True
+                unbounded = high is re_constants.MAXREPEAT or high > 1
+                if walk(sub, inside or unbounded):
+                    return True
+            elif (op == re_constants.SUBPATTERN and walk(arg[-1], inside)) or (
+                op == re_constants.BRANCH and any(walk(b, inside) for b in arg[1])
+            ):
+                return True
+        return False
+
+    return walk(tree, False)
 
 
 def dechunk(buf: bytes | bytearray, start: int, end: int) -> bytes:
@@ -255,6 +304,8 @@ class _Client(ResponseRelay):
         self.gone = False  # the watch saw the client go away
         self._watching = False
         self.label = ("", "")  # (provider, model) of the request being served, for counting
+        # The first head must be complete this soon after the accept (later: from its first byte).
+        self.head_deadline: float | None = self.loop.time() + HEADER_TIMEOUT_S
 
     # -- the loop
 
@@ -263,6 +314,7 @@ class _Client(ResponseRelay):
             head_end = await self.read_head()
             if head_end < 0:
                 return
+            self.head_deadline = None
             self.router.begin(self)
             try:
                 keep = await self.request(head_end)
@@ -279,35 +331,43 @@ class _Client(ResponseRelay):
                 self.start = skip_empty_lines(buf, self.start, self.end)
                 pending = self.end - self.start
                 if pending:
+                    if self.head_deadline is None:
+                        self.head_deadline = self.loop.time() + HEADER_TIMEOUT_S
                     head_end = find_head_end(buf, self.start, self.end)
                     if head_end >= 0:
                         return head_end
                     if pending >= MAX_HEAD:
-                        refusal = Refusal(
-                            431,
-                            f"The request head is larger than {MAX_HEAD} bytes",
-                            "head_too_large",
-                        )
-                        await self.refuse(None, refusal, close=True)
+                        status, what = head_too_large(buf, self.start, self.end)
+                        await self.refuse(None, Refusal(status, what, "head_too_large"), True)
                         return -1
                     if self.end == len(buf):
-                        buf[:pending] = buf[self.start : self.end]
-                        self.start, self.end = 0, pending
+                        if self.start == 0:
+                            self.buf = buf = grown(buf, self.end)
+                        else:
+                            buf[:pending] = buf[self.start : self.end]
+                            self.start, self.end = 0, pending
                 else:
                     self.start = self.end = 0
-                    if len(buf) != BUFFER_SIZE:  # a grown buffer goes once its request is done
+                    if len(buf) not in (HEAD_SIZE, BUFFER_SIZE):  # a body's buffer goes
                         self.buf = buf = None
             if self.eof:
                 return -1
             if buf is None:
-                buf = self.buf = take()
+                buf = self.buf = take(HEAD_SIZE)
             try:
                 n = self.client.recv_into(memoryview(buf)[self.end :])
             except BlockingIOError:
                 if self.start == self.end:  # an idle connection holds no buffer
                     give(buf)
                     self.buf = None
-                await wait_readable(self.loop, self.client)
+                deadline = self.head_deadline
+                if deadline is None:
+                    deadline = self.loop.time() + KEEPALIVE_TIMEOUT_S
+                if not await wait_readable(self.loop, self.client, deadline):
+                    if self.end > self.start:
+                        what = f"The request head was not complete within {HEADER_TIMEOUT_S:g} s"
+                        await self.refuse(None, Refusal(408, what, "request_timeout"), True)
+                    return -1
                 continue
             except OSError:
                 self.eof = True
@@ -321,7 +381,13 @@ class _Client(ResponseRelay):
         """Read more of the request into buf[end:], which has room. Raises ClientGone."""
         assert self.buf is not None
         try:
-            n = await self.loop.sock_recv_into(self.client, memoryview(self.buf)[self.end :])
+            n = await recv_within(
+                self.loop, self.client, memoryview(self.buf)[self.end :], BODY_TIMEOUT_S
+            )
+        except TimeoutError:
+            raise Refusal(
+                408, f"No byte of the request body for {BODY_TIMEOUT_S:g} s", "request_timeout"
+            ) from None
         except OSError as e:
             raise ClientGone(f"client connection failed: {e.strerror or e}") from None
         if n == 0:
@@ -339,10 +405,10 @@ class _Client(ResponseRelay):
         if len(buf) >= need:
             buf[:pending] = buf[self.start : self.end]
         else:
-            grown = bytearray(max(need, 2 * len(buf)))
-            grown[:pending] = buf[self.start : self.end]
+            bigger = bytearray(max(need, 2 * len(buf)))
+            bigger[:pending] = buf[self.start : self.end]
             give(buf)
-            self.buf = grown
+            self.buf = bigger
         self.start, self.end = 0, pending
 
     async def read_body(self, req: RequestHead, head_end: int) -> int:
@@ -356,9 +422,11 @@ class _Client(ResponseRelay):
         if req.body == "length":
             need = head_len + req.length
             if self.end - self.start < need:
-                self.room(need)
                 await self.send_continue(req)
                 while self.end - self.start < need:
+                    # Grow with what arrives, never by what the head claims.
+                    if self.end == len(self.buf):
+                        self.room(min(need, 2 * (self.end - self.start)))
                     await self.recv_client()
             return self.start + need
         scanner = ChunkedScanner(strict=True)
@@ -410,6 +478,9 @@ class _Client(ResponseRelay):
                 "not_implemented",
             )
             return await self.refuse(req, refusal, close=True)
+        refused = self.router.origin.check(req)
+        if refused is not None:
+            return await self.refuse(req, Refusal(*refused), close=True)
         if req.body == "length" and req.length > self.router.config.max_body:
             return await self.refuse(req, self.too_large(), close=True)
         head_len = head_end - self.start
@@ -660,6 +731,7 @@ class Router:
         self.routed = 0
         self.done = asyncio.Event()
         self.listening = Listeners(listeners, self._connection, log)
+        self.origin = OriginCheck(config.addresses)
         self._idle_timer: asyncio.TimerHandle | None = None
         self._fresh: dict[_Client, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -823,6 +895,8 @@ def discover_table() -> Table:
     for problem in found.problems:
         log.warning("Skipping a manifest: %s", problem)
     table = table_from(found.providers.values())
+    for why in table.skipped:
+        log.warning("Skipping a model pattern: %s; write it without nested repetition", why)
     log.info(
         "Routing %d model name(s) and %d pattern(s) to %d provider(s)",
         len(table.names),

@@ -24,9 +24,7 @@ from agent.http import (
 
 REFUSALS = {400, 414, 431, 501, 505}
 
-SETTINGS = settings(
-    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 TOKENS = st.sampled_from(
     [
@@ -163,7 +161,9 @@ def _h11_framing(data: bytes) -> tuple[int, int] | None:
 @given(st.one_of(mutated(), token_soup()))
 @example(b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n5\r\n")
 @example(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5, 5\r\n\r\nhello")
-@example(b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5;a\rb\r\nhello\r\n0\r\n\r\n")
+@example(
+    b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5;a\rb\r\nhello\r\n0\r\n\r\n"
+)
 def test_what_the_front_accepts_a_strict_parser_frames_the_same(data: bytes) -> None:
     result = outcome(data)
     if not isinstance(result, tuple) or result[2] < 0:

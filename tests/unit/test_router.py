@@ -4,6 +4,7 @@ body (JSON `model`, chunked data)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -93,13 +94,44 @@ def test_a_requested_name_is_shown_escaped(model: str) -> None:
     assert shown.isascii() and shown.isprintable()
 
 
-def test_a_long_name_is_shown_cut_short_and_not_remembered() -> None:
-    table = Table([provider("a", patterns=("x+",))])
+def test_a_long_name_is_never_matched_against_patterns_and_is_shown_cut_short() -> None:
+    table = Table([provider("a", patterns=("x+",)), provider("b", names=("y" * 1000,))])
     model = "x" * 100_000
-    assert table.lookup(model).slug == "a"
+    assert refusal(table, model).status == 404
     assert model not in table._cache
+    assert table.lookup("x" * router.PATTERN_NAME_MAX).slug == "a"
+    assert table.lookup("y" * 1000).slug == "b"  # exact names of any length still route
     shown = quoted(model)
     assert len(shown) < 200 and shown.endswith("... (100000 characters)")
+
+
+def test_a_crafted_name_costs_little_against_a_backtracking_pattern() -> None:
+    """Regression: `llama-.*-.*-instruct` against a 40 KB name took 9.3 s, and every other
+    request waited."""
+    table = Table([provider("a", patterns=("llama-.*-.*-instruct",))])
+    began = time.process_time()
+    assert refusal(table, "llama-" + "-" * 40_000).status == 404
+    assert refusal(table, "llama-" + "-" * (router.PATTERN_NAME_MAX - 6)).status == 404
+    assert time.process_time() - began < 0.1
+
+
+@pytest.mark.parametrize(
+    ("pattern", "nested"),
+    [
+        ("(a+)+b", True),
+        ("(\\w+\\s?)+$", True),
+        ("(?:a|b+)*", True),
+        ("llama-.*-.*-instruct", False),
+        ("b-.*", False),
+        ("(ab)*", False),
+        ("(a{2})*", False),
+        ("qwen2\\.5-[0-9]+b(-instruct)?", False),
+    ],
+)
+def test_patterns_with_nested_repetition_are_left_out(pattern: str, nested: bool) -> None:
+    assert router.nested_repetition(pattern) is nested
+    table = Table([provider("a", patterns=(pattern,))])
+    assert (len(table.patterns), len(table.skipped)) == ((0, 1) if nested else (1, 0))
 
 
 def test_the_pattern_cache_is_bounded() -> None:

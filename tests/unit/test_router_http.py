@@ -15,11 +15,13 @@ import logging
 import socket
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from agent import router as router_module
 from agent.config import RouterConfig
 from agent.http import ChunkedScanner, find_head_end, parse_request_head
 from agent.model import Address, Provider
@@ -259,7 +261,7 @@ class Client:
 def post(model: str, path: str = "/v1/chat/completions", extra: bytes = b"") -> bytes:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode()
     return (
-        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s"
+        b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n%s"
         b"Content-Length: %d\r\n\r\n%s" % (path.encode(), extra, len(body), body)
     )
 
@@ -289,7 +291,7 @@ def test_each_model_reaches_its_provider_byte_for_byte(
 def test_a_chunked_body_is_routed_and_forwarded_as_sent(
     two: RunningRouter, alpha: FakeProvider
 ) -> None:
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
     body = b'4;x=y\r\n{"mo\r\n8\r\ndel": "a\r\n4\r\n-1"}\r\n0\r\nX-Trailer: 1\r\n\r\n'
     c = Client(two.port)
     c.send(head + body[:10])
@@ -321,7 +323,7 @@ def test_expect_100_continue_with_a_body_over_the_limit_is_413_without_100(
     r = start(alpha.provider(names=("a-1",)), max_body=4096)
     c = Client(r.port)
     c.send(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
         b"Content-Length: 4097\r\n\r\n"
     )
     status, headers, body = c.response()
@@ -337,7 +339,9 @@ def test_a_chunked_body_over_the_limit_is_413(
 ) -> None:
     r = start(alpha.provider(names=("a-1",)), max_body=4096)
     c = Client(r.port)
-    c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    c.send(
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
     piece = b"400\r\n" + b" " * 1024 + b"\r\n"
     c.send(piece * 8)  # 8 KiB of data, never a last chunk
     status, _, body = c.response()
@@ -363,9 +367,12 @@ def test_pipelined_requests_are_answered_in_order(
 def test_a_model_deep_in_a_large_body(two: RunningRouter, beta: FakeProvider) -> None:
     messages = [{"role": "user", "content": "x" * 1000} for _ in range(800)]
     body = json.dumps({"messages": messages, "model": "b-deep"}).encode()
-    request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (
-        len(body),
-        body,
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (
+            len(body),
+            body,
+        )
     )
     c = Client(two.port)
     for i in range(0, len(request), 100_000):
@@ -412,7 +419,7 @@ def test_refusals_are_openai_errors_and_the_connection_goes_on(
 ) -> None:
     c = Client(two.port)
     c.send(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
         % (len(body), body)
     )
     got, headers, answer = c.response()
@@ -444,7 +451,9 @@ def test_refusals_are_logged_at_info_with_the_name_escaped(
 
 def test_upgrades_are_refused(two: RunningRouter) -> None:
     c = Client(two.port)
-    c.send(b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+    c.send(
+        b"GET /ws HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+    )
     status, _, body = c.response()
     assert status == 501
     assert "protocol upgrades" in error(body)["message"]
@@ -453,7 +462,9 @@ def test_upgrades_are_refused(two: RunningRouter) -> None:
 
 def test_a_malformed_head_is_400(two: RunningRouter) -> None:
     c = Client(two.port)
-    c.send(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 1, 2\r\n\r\n")
+    c.send(
+        b"POST /x HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 1, 2\r\n\r\n"
+    )
     assert c.response()[0] == 400
     assert c.closed()
 
@@ -498,7 +509,7 @@ def test_models_are_listed_without_touching_a_provider(
     two: RunningRouter, alpha: FakeProvider, beta: FakeProvider
 ) -> None:
     c = Client(two.port)
-    c.send(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    c.send(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
     status, _, body = c.response()
     assert status == 200
     doc = json.loads(body)
@@ -507,13 +518,15 @@ def test_models_are_listed_without_touching_a_provider(
         ("a-1", "alpha", "model"),
         ("a-2", "alpha", "model"),
     ]
-    c.send(b"GET /v1/models/b-anything HTTP/1.1\r\nHost: x\r\n\r\n")
+    c.send(b"GET /v1/models/b-anything HTTP/1.1\r\nHost: localhost\r\n\r\n")
     status, _, body = c.response()
     assert (status, json.loads(body)["owned_by"]) == (200, "beta")
-    c.send(b"GET /v1/models/nope%0A HTTP/1.1\r\nHost: x\r\n\r\n")
+    c.send(b"GET /v1/models/nope%0A HTTP/1.1\r\nHost: localhost\r\n\r\n")
     status, _, body = c.response()
     assert status == 404 and '"nope\\n"' in error(body)["message"]
-    c.send(b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    c.send(
+        b"HEAD /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    )
     while (end := find_head_end(c.buf, 0, len(c.buf))) < 0:
         assert c._fill()
     assert c.buf.startswith(b"HTTP/1.1 200 OK\r\n")
@@ -581,3 +594,110 @@ def test_it_exits_when_idle_but_not_while_a_request_is_in_flight(
     with pytest.raises(OSError):
         r.listener.getsockname()  # its copy of the listener is closed
     p.close()
+
+
+# -- what a web page could send ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "status", "code"),
+    [
+        (b"Host: evil.example\r\nContent-Type: application/json\r\n", 403, "forbidden_host"),
+        (
+            b"Host: localhost\r\nOrigin: http://evil.example\r\nContent-Type: application/json\r\n",
+            403,
+            "forbidden_origin",
+        ),
+        (
+            b"Host: localhost\r\nOrigin: null\r\nContent-Type: application/json\r\n",
+            403,
+            "forbidden_origin",
+        ),
+        (b"Host: localhost\r\nContent-Type: text/plain\r\n", 415, "unsupported_media_type"),
+        (
+            b"Host: localhost\r\nContent-Type: application/x-www-form-urlencoded\r\n",
+            415,
+            "unsupported_media_type",
+        ),
+        (b"Host: localhost\r\n", 415, "unsupported_media_type"),
+    ],
+)
+def test_what_a_web_page_could_send_is_refused(
+    two: RunningRouter, beta: FakeProvider, extra: bytes, status: int, code: str
+) -> None:
+    body = b'{"model": "b-x"}'
+    c = Client(two.port)
+    c.send(b"POST /v1/x HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % (extra, len(body), body))
+    got, _, answer = c.response()
+    assert (got, error(answer)["code"]) == (status, code)
+    assert beta.requests == []
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        b"Host: 127.0.0.1:8100\r\nContent-Type: application/json; charset=utf-8\r\n",
+        b"Host: [::1]:8100\r\nOrigin: http://localhost:3000\r\nContent-Type: application/json\r\n",
+        b"Host: app.localhost\r\nContent-Type: application/vnd.api+json\r\n",
+    ],
+)
+def test_local_hosts_and_json_bodies_are_routed(
+    two: RunningRouter, beta: FakeProvider, extra: bytes
+) -> None:
+    body = b'{"model": "b-x"}'
+    c = Client(two.port)
+    c.send(b"POST /v1/x HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % (extra, len(body), body))
+    assert c.response()[0] == 200
+
+
+# -- what a client may take ----------------------------------------------------------------
+
+
+def test_a_claimed_content_length_costs_only_what_arrives(
+    start: Callable[..., RunningRouter], beta: FakeProvider
+) -> None:
+    """Regression: the router allocated the claimed Content-Length at once: 12 requests of
+    75 bytes claiming 16 MB each took it from 26 to 218 MiB."""
+    r = start(beta.provider(patterns=("b-.*",)), max_body=16 << 20)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        clients = []
+        for _ in range(12):
+            c = Client(r.port)
+            c.send(
+                b"POST /v1/x HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 16777000\r\n\r\n{"
+            )
+            clients.append(c)
+        time.sleep(0.5)
+        grew = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grew < 2 << 20, f"{grew} bytes for 12 claimed bodies"
+
+
+def test_a_body_that_stops_coming_is_408_and_the_router_can_idle(
+    start: Callable[..., RunningRouter], beta: FakeProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(router_module, "BODY_TIMEOUT_S", 0.3)
+    r = start(beta.provider(patterns=("b-.*",)), idle=0.5, exit_on_idle=True)
+    c = Client(r.port)
+    c.send(
+        b"POST /v1/x HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n{"
+    )
+    status, _, body = c.response()
+    assert (status, error(body)["code"]) == (408, "request_timeout")
+    assert c.closed()
+    r.thread.join(5)
+    assert not r.thread.is_alive()  # idled out: the stalled body did not keep it busy
+
+
+def test_a_head_that_stops_coming_is_408(
+    two: RunningRouter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(router_module, "HEADER_TIMEOUT_S", 0.3)
+    c = Client(two.port)
+    c.send(b"POST /v1/x HTTP/1.1\r\nHost: loc")
+    assert c.response()[0] == 408
