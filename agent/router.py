@@ -58,6 +58,7 @@ from agent.http import (
 from agent.listeners import Listeners
 from agent.model import Address, Provider
 from agent.origin import OriginCheck
+from agent.ratelog import RateLog
 from agent.proxy import IDEMPOTENT, ClientGone, ResponseRelay, UpstreamGone, grown, head_too_large
 from agent.sockio import (
     BODY_TIMEOUT_S,
@@ -76,6 +77,7 @@ from agent.sockio import (
 )
 
 log = logging.getLogger("providerd.router")
+refusals = RateLog(log)  # what the router answers by itself
 
 MODELS_PATH = "/v1/models"
 FIRST_REQUEST_GRACE_S = 5.0  # a new connection counts as busy until its first request, this long
@@ -549,9 +551,17 @@ class _Client(ResponseRelay):
         return req.keep_alive
 
     async def refuse(self, req: RequestHead | None, refusal: Refusal, close: bool) -> bool:
-        """Answer a refusal; log it at info level. Returns whether the connection goes on."""
+        """Answer a refusal; log it at info level, rate-limited per status. Returns whether
+        the connection goes on."""
         what = f"{req.method} {quoted(req.target)}" if req is not None else "a request"
-        log.info("Refused %s: %d %s", what, refusal.status, refusal.message)
+        refusals.log(
+            str(refusal.status),
+            "Refused %s: %d %s",
+            what,
+            refusal.status,
+            refusal.message,
+            level=logging.INFO,
+        )
         self.router.count(*self.label, refusal.status)
         head_only = req is not None and req.method == "HEAD"
         data = error_response(refusal.status, refusal.body(), close=close, head_only=head_only)

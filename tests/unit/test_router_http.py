@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from agent import ratelog
 from agent import router as router_module
 from agent.config import RouterConfig
 from agent.http import ChunkedScanner, find_head_end, parse_request_head
@@ -701,3 +702,16 @@ def test_a_head_that_stops_coming_is_408(
     c = Client(two.port)
     c.send(b"POST /v1/x HTTP/1.1\r\nHost: loc")
     assert c.response()[0] == 408
+
+
+def test_refusals_are_logged_rate_limited(
+    two: RunningRouter, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(router_module, "refusals", router_module.RateLog(router_module.log))
+    caplog.set_level(logging.INFO, logger="providerd.router")
+    c = Client(two.port)
+    for _ in range(20):
+        c.send(post("nobody-serves-this"))
+        assert c.response()[0] == 404
+    refused = [r for r in caplog.records if r.getMessage().startswith("Refused")]
+    assert len(refused) == ratelog.BURST
