@@ -21,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CI_DIR = "/usr/local/lib/providerd-ci"
 PROBE = f"{CI_DIR}/probe_worker.py"
+MISBEHAVE = f"{CI_DIR}/misbehave.py"  # tests/workers/misbehave.py
 
 # Figures shown at the end of the run (systemd-analyze security, timings).
 FIGURES: list[str] = []
@@ -112,6 +113,8 @@ def ct(deb: Path, base_tarball: Path) -> Iterator[Container]:
         c.copy_in(deb, f"/root/{deb.name}")
         c.copy_in(HERE / "probe_worker.py", PROBE)
         (c.root / PROBE.lstrip("/")).chmod(0o755)
+        c.copy_in(REPO / "tests" / "workers" / "misbehave.py", MISBEHAVE)
+        (c.root / MISBEHAVE.lstrip("/")).chmod(0o755)
         # The container has no network of its own once booted: fetch the package's
         # dependencies from Debian now, so that `apt install` below resolves them offline.
         r = c.run_unbooted(
