@@ -419,7 +419,7 @@ KEYS: tuple[Key, ...] = (
         "in the front in arrival order, counted in `waiting` and bounded by listen.max_held. "
         "4 suits servers with a small accept queue (Python's backlog of 5, llama-server's "
         "--parallel 4); raise it for servers that batch many requests (vLLM). "
-        "Upgraded connections (WebSocket) leave the count once switched; protocol = \"tcp\" "
+        'Upgraded connections (WebSocket) leave the count once switched; protocol = "tcp" '
         "connections are not counted.",
         low=1,
         high=100_000,

@@ -1028,7 +1028,7 @@ class _Http(_Connection, ResponseRelay):
             return False
         if pump is not None and pump.done() and not pump.cancelled():
             pump.result()
-        if not reusable or not resp.keep_alive:
+        if not reusable or not resp.keep_alive or not req.keep_alive:  # it closes after
             self.drop_upstream()
         keep = (
             req.keep_alive

@@ -694,7 +694,7 @@ class _Client(ResponseRelay):
         client connection goes on."""
         resp, reusable = await self.relay_message(up, req.method)
         self.router.count(*self.label, resp.status)
-        if not reusable or not resp.keep_alive:
+        if not reusable or not resp.keep_alive or not req.keep_alive:
             self.drop_upstream()
         keep = req.keep_alive and resp.keep_alive and resp.body != "close" and not self.eof
         if not keep:

@@ -9,6 +9,8 @@ request boundary than the front did). Cases hypothesis found are kept as @exampl
 
 from __future__ import annotations
 
+import socket
+
 import h11
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -215,3 +217,33 @@ def test_a_head_at_the_limit_is_found_and_parsed() -> None:
     end = find_head_end(head, 0, len(head))
     assert end == len(head)
     assert parse_request_head(head, 0, end).path == "/"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(mutated(), token_soup(), st.binary(max_size=200)))
+@example(b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel")
+@example(b"GET / HTTP/1.1\r\nHost: a\r\n\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\nG")
+def test_the_front_answers_any_bytes_with_statuses_and_never_fails(data: bytes) -> None:
+    """The whole data path (agent.proxy.serve_http against an echoing worker): whatever a
+    client sends and then half-closes, it gets zero or more complete responses with a
+    status, the connection ends, and the connection's task never raises."""
+    from tests.unit.test_proxy import Setup, echo_worker, run
+
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+            client = await px.connect()
+            await client.send(data)
+            client.sock.shutdown(socket.SHUT_WR)
+            raw = await client.read_to_eof()
+            client.close()
+            await px.settle()
+            assert backend.active == 0
+            pos = 0
+            while pos < len(raw):
+                end = find_head_end(raw, pos, len(raw))
+                assert end > 0, raw
+                head = parse_response_head(raw, "GET", pos, end)
+                assert head.status == 200 or head.status in REFUSALS, raw
+                pos = end + head.length
+
+    run(test)

@@ -1415,3 +1415,31 @@ def test_ambiguous_framing_is_refused_before_the_worker_sees_a_byte(request_byte
 
     run(test)
     assert seen in ([], [b""])
+
+
+def test_a_worker_connection_whose_request_said_close_is_not_kept_for_another_client() -> None:
+    """Regression (container tier, urllib clients): a request with `Connection: close`
+    makes the worker close after answering, without saying so; kept for the next client's
+    POST, that connection failed under it (503)."""
+
+    async def closing_quietly(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, body = await read_request(reader)
+        writer.write(ok(body))
+        await writer.drain()
+        await asyncio.sleep(0.05)  # closes a moment later, as a threaded server does
+        writer.close()
+
+    async def test() -> None:
+        async with Setup(closing_quietly) as (worker, _backend, px):
+            for i in range(3):
+                client = await px.connect()
+                await client.send(
+                    b"POST / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
+                    b"Content-Length: 1\r\n\r\n%d" % i
+                )
+                assert (await client.response())[:3:2] == (200, b"%d" % i)
+                client.close()
+            assert worker.connections == 3
+            await px.settle()
+
+    run(test)
