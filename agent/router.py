@@ -58,8 +58,8 @@ from agent.http import (
 from agent.listeners import Listeners
 from agent.model import Address, Provider
 from agent.origin import OriginCheck
-from agent.ratelog import RateLog
 from agent.proxy import IDEMPOTENT, ClientGone, ResponseRelay, UpstreamGone, grown, head_too_large
+from agent.ratelog import RateLog
 from agent.sockio import (
     BODY_TIMEOUT_S,
     BUFFER_SIZE,
