@@ -1423,7 +1423,7 @@ def test_a_worker_connection_whose_request_said_close_is_not_kept_for_another_cl
     POST, that connection failed under it (503)."""
 
     async def closing_quietly(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head, body = await read_request(reader)
+        _head, body = await read_request(reader)
         writer.write(ok(body))
         await writer.drain()
         await asyncio.sleep(0.05)  # closes a moment later, as a threaded server does
