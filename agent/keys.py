@@ -142,7 +142,8 @@ KEYS: tuple[Key, ...] = (
         "int",
         "integer",
         "1024",
-        "Connections held while the worker starts; beyond this, new ones are refused at once.",
+        "Requests held in the front (while the worker starts, and beyond "
+        "runtime.max_concurrency); beyond this, new ones are refused at once (503, Retry-After).",
         low=1,
         high=1_000_000,
     ),

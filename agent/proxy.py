@@ -25,6 +25,7 @@ import socket
 from collections.abc import Coroutine, Generator, Mapping
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
+from agent.heads import HeadReader
 from agent.http import (
     MAX_HEAD,
     ChunkedScanner,
@@ -35,7 +36,6 @@ from agent.http import (
     find_head_end,
     parse_request_head,
     parse_response_head,
-    skip_empty_lines,
 )
 from agent.model import Address
 from agent.ratelog import RateLog
@@ -44,8 +44,6 @@ from agent.sockio import (
     BUFFER_SIZE,
     BULK_SIZE,
     HEAD_SIZE,
-    HEADER_TIMEOUT_S,
-    KEEPALIVE_TIMEOUT_S,
     close_lingering,
     error_text,
     give,
@@ -407,21 +405,6 @@ class ResponseRelay:
             await self.send_client(view[:n])
 
 
-def head_too_large(buf: bytearray, start: int, end: int) -> tuple[int, str]:
-    """431, or 414 when the request line alone fills MAX_HEAD."""
-    if buf.find(b"\n", start, end) < 0:
-        return 414, f"request line longer than {MAX_HEAD} bytes"
-    return 431, f"request head larger than {MAX_HEAD} bytes"
-
-
-def grown(buf: bytearray, used: int) -> bytearray:
-    """A buffer four times as large (at most BUFFER_SIZE) with buf[:used] in it."""
-    bigger = take(BUFFER_SIZE) if len(buf) * 4 >= BUFFER_SIZE else bytearray(len(buf) * 4)
-    bigger[:used] = buf[:used]
-    give(buf)
-    return bigger
-
-
 # -- one client connection -----------------------------------------------------------------
 
 
@@ -596,22 +579,17 @@ class _Connection:
         await close_lingering(self.loop, self.client, self.linger and not self.client_eof)
 
 
-class _Http(_Connection, ResponseRelay):
+class _Http(_Connection, HeadReader, ResponseRelay):
     peer = "worker"
 
     def __init__(self, client: socket.socket, backend: Backend) -> None:
         super().__init__(client, backend)
-        self.buf: bytearray | None = None  # client bytes read and not yet forwarded
-        self.start = 0
-        self.end = 0
+        self.begin_reading()
         self.started = False  # the final response head went to the client
         self.interim = False  # a 1xx response went to the client
         self.deadline: asyncio.Timeout | None = None  # the request timeout
         self._parked: bytes | None = None  # buf[start:end] while waiting for the worker
         self.consumed = False  # the request body has been read from the client entirely
-        # The first head must be complete this soon after the accept; later ones within
-        # HEADER_TIMEOUT_S of their first byte (None: no head begun).
-        self.head_deadline: float | None = self.loop.time() + HEADER_TIMEOUT_S
 
     def park(self) -> None:
         # A held connection keeps only its request's bytes, not a whole buffer: a cold
@@ -638,71 +616,10 @@ class _Http(_Connection, ResponseRelay):
             except HttpError as e:
                 await self.answer(e.status, {"error": e.reason}, close=True)
                 return
-            self.head_deadline = None
             if not await self.request(request, head_end):
                 return
 
     # -- the client side
-
-    def release_buffer(self) -> None:
-        if self.buf is not None and self.start == self.end:
-            give(self.buf)
-            self.buf = None
-            self.start = self.end = 0
-
-    async def read_head(self) -> int:
-        """Read until a request head is complete; return the index past its blank line, or -1
-        if the connection ended (cleanly or after an answer)."""
-        while True:
-            buf = self.buf
-            if buf is not None:
-                self.start = skip_empty_lines(buf, self.start, self.end)
-                pending = self.end - self.start
-                if pending:
-                    if self.head_deadline is None:
-                        self.head_deadline = self.loop.time() + HEADER_TIMEOUT_S
-                    head_end = find_head_end(buf, self.start, self.end)
-                    if head_end >= 0:
-                        return head_end
-                    if pending >= MAX_HEAD:
-                        status, what = head_too_large(buf, self.start, self.end)
-                        return await self.refuse_head(status, what)
-                    if self.end == len(buf):
-                        if self.start == 0:  # a head that fills a buffer: a larger one
-                            self.buf = buf = grown(buf, self.end)
-                        else:
-                            buf[:pending] = buf[self.start : self.end]
-                            self.start, self.end = 0, pending
-                else:
-                    self.start = self.end = 0
-            if self.client_eof:
-                return -1
-            if buf is None:
-                buf = self.buf = take(HEAD_SIZE)
-            try:
-                n = self.client.recv_into(memoryview(buf)[self.end :])
-            except BlockingIOError:
-                self.release_buffer()  # an idle connection holds no buffer
-                deadline = self.head_deadline
-                if deadline is None:
-                    deadline = self.loop.time() + KEEPALIVE_TIMEOUT_S
-                if not await wait_readable(self.loop, self.client, deadline):
-                    if self.end > self.start:
-                        return await self.refuse_head(
-                            408, f"request head not complete within {HEADER_TIMEOUT_S:g} s"
-                        )
-                    log.debug("Closing a keep-alive connection idle for %g s", KEEPALIVE_TIMEOUT_S)
-                    return -1
-                continue
-            except OSError:
-                self.client_eof = True
-                return -1
-            if n == 0:
-                self.client_eof = True
-                if self.end > self.start:
-                    log.debug("Client closed the connection in the middle of a request head")
-                return -1
-            self.end += n
 
     async def refuse_head(self, status: int, error: str) -> int:
         """Answer a head that cannot be read (408, 414, 431) and end the connection."""

@@ -44,6 +44,7 @@ from urllib.parse import unquote
 
 from agent import counters
 from agent.config import RouterConfig
+from agent.heads import HeadReader
 from agent.http import (
     MAX_HEAD,
     ChunkedScanner,
@@ -51,29 +52,22 @@ from agent.http import (
     RequestHead,
     ResponseHead,
     error_response,
-    find_head_end,
     parse_request_head,
-    skip_empty_lines,
 )
 from agent.listeners import Listeners
 from agent.model import Address, Provider
 from agent.origin import OriginCheck
-from agent.proxy import IDEMPOTENT, ClientGone, ResponseRelay, UpstreamGone, grown, head_too_large
+from agent.proxy import IDEMPOTENT, ClientGone, ResponseRelay, UpstreamGone
 from agent.ratelog import RateLog
 from agent.sockio import (
     BODY_TIMEOUT_S,
     BUFFER_SIZE,
-    HEAD_SIZE,
-    HEADER_TIMEOUT_S,
-    KEEPALIVE_TIMEOUT_S,
     close_lingering,
     connect,
     error_text,
     give,
     recv_within,
     still_open,
-    take,
-    wait_readable,
 )
 
 log = logging.getLogger("providerd.router")
@@ -286,7 +280,7 @@ def model_of(body: bytes | bytearray) -> str:
 # ============================================================================ one client connection
 
 
-class _Client(ResponseRelay):
+class _Client(HeadReader, ResponseRelay):
     peer = "provider"
 
     def __init__(self, router: Router, client: socket.socket) -> None:
@@ -294,10 +288,6 @@ class _Client(ResponseRelay):
         self.client = client
         self.loop = asyncio.get_running_loop()
         self.task: asyncio.Task[None]  # set by the router as it starts serving the connection
-        self.buf: bytearray | None = None  # what the client sent and was not yet forwarded
-        self.start = 0
-        self.end = 0
-        self.eof = False
         self.linger = False
         self.up: socket.socket | None = None
         self.up_slug = ""
@@ -306,8 +296,7 @@ class _Client(ResponseRelay):
         self.gone = False  # the watch saw the client go away
         self._watching = False
         self.label = ("", "")  # (provider, model) of the request being served, for counting
-        # The first head must be complete this soon after the accept (later: from its first byte).
-        self.head_deadline: float | None = self.loop.time() + HEADER_TIMEOUT_S
+        self.begin_reading()
 
     # -- the loop
 
@@ -316,7 +305,6 @@ class _Client(ResponseRelay):
             head_end = await self.read_head()
             if head_end < 0:
                 return
-            self.head_deadline = None
             self.router.begin(self)
             try:
                 keep = await self.request(head_end)
@@ -325,59 +313,10 @@ class _Client(ResponseRelay):
             if not keep:
                 return
 
-    async def read_head(self) -> int:
-        """Read until a request head is complete; the index past its blank line, or -1."""
-        while True:
-            buf = self.buf
-            if buf is not None:
-                self.start = skip_empty_lines(buf, self.start, self.end)
-                pending = self.end - self.start
-                if pending:
-                    if self.head_deadline is None:
-                        self.head_deadline = self.loop.time() + HEADER_TIMEOUT_S
-                    head_end = find_head_end(buf, self.start, self.end)
-                    if head_end >= 0:
-                        return head_end
-                    if pending >= MAX_HEAD:
-                        status, what = head_too_large(buf, self.start, self.end)
-                        await self.refuse(None, Refusal(status, what, "head_too_large"), True)
-                        return -1
-                    if self.end == len(buf):
-                        if self.start == 0:
-                            self.buf = buf = grown(buf, self.end)
-                        else:
-                            buf[:pending] = buf[self.start : self.end]
-                            self.start, self.end = 0, pending
-                else:
-                    self.start = self.end = 0
-                    if len(buf) not in (HEAD_SIZE, BUFFER_SIZE):  # a body's buffer goes
-                        self.buf = buf = None
-            if self.eof:
-                return -1
-            if buf is None:
-                buf = self.buf = take(HEAD_SIZE)
-            try:
-                n = self.client.recv_into(memoryview(buf)[self.end :])
-            except BlockingIOError:
-                if self.start == self.end:  # an idle connection holds no buffer
-                    give(buf)
-                    self.buf = None
-                deadline = self.head_deadline
-                if deadline is None:
-                    deadline = self.loop.time() + KEEPALIVE_TIMEOUT_S
-                if not await wait_readable(self.loop, self.client, deadline):
-                    if self.end > self.start:
-                        what = f"The request head was not complete within {HEADER_TIMEOUT_S:g} s"
-                        await self.refuse(None, Refusal(408, what, "request_timeout"), True)
-                    return -1
-                continue
-            except OSError:
-                self.eof = True
-                return -1
-            if n == 0:
-                self.eof = True
-                return -1
-            self.end += n
+    async def refuse_head(self, status: int, error: str) -> int:
+        codes = {408: "request_timeout", 414: "head_too_large", 431: "head_too_large"}
+        await self.refuse(None, Refusal(status, error, codes.get(status, "invalid_request")), True)
+        return -1
 
     async def recv_client(self) -> None:
         """Read more of the request into buf[end:], which has room. Raises ClientGone."""
@@ -393,7 +332,7 @@ class _Client(ResponseRelay):
         except OSError as e:
             raise ClientGone(f"client connection failed: {e.strerror or e}") from None
         if n == 0:
-            self.eof = True
+            self.client_eof = True
             raise ClientGone("client closed the connection in the middle of a request body")
         self.end += n
 
@@ -657,7 +596,7 @@ class _Client(ResponseRelay):
     # EOF, an error, or the next pipelined request. Only the first two matter.
 
     def watch(self) -> None:
-        if not self._watching and not self.eof:
+        if not self._watching and not self.client_eof:
             self.loop.add_reader(self.client.fileno(), self._client_readable)
             self._watching = True
 
@@ -676,7 +615,7 @@ class _Client(ResponseRelay):
         self.unwatch()
         if data:
             return
-        self.eof = True
+        self.client_eof = True
         if not self.gone:
             self.gone = True
             self.task.cancel()
@@ -696,7 +635,7 @@ class _Client(ResponseRelay):
         self.router.count(*self.label, resp.status)
         if not reusable or not resp.keep_alive or not req.keep_alive:
             self.drop_upstream()
-        keep = req.keep_alive and resp.keep_alive and resp.body != "close" and not self.eof
+        keep = req.keep_alive and resp.keep_alive and resp.body != "close" and not self.client_eof
         if not keep:
             self.linger = True
         return keep
@@ -707,7 +646,7 @@ class _Client(ResponseRelay):
         if self.buf is not None:
             give(self.buf)
             self.buf = None
-        await close_lingering(self.loop, self.client, self.linger and not self.eof)
+        await close_lingering(self.loop, self.client, self.linger and not self.client_eof)
 
 
 # ============================================================================ the router

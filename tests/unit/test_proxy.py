@@ -1213,7 +1213,7 @@ def test_requests_in_flight_hold_no_buffer_while_the_worker_works() -> None:
 def test_a_head_not_complete_within_the_header_timeout_gets_408(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(proxy, "HEADER_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(sockio, "HEADER_TIMEOUT_S", 0.3)
 
     async def test() -> None:
         async with Setup(echo_worker) as (_, backend, px):
@@ -1235,7 +1235,7 @@ def test_a_head_not_complete_within_the_header_timeout_gets_408(
 def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(proxy, "KEEPALIVE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(sockio, "KEEPALIVE_TIMEOUT_S", 0.3)
 
     async def test() -> None:
         async with Setup(echo_worker) as (_, _backend, px):

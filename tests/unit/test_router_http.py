@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import ratelog
+from agent import ratelog, sockio
 from agent import router as router_module
 from agent.config import RouterConfig
 from agent.http import ChunkedScanner, find_head_end, parse_request_head
@@ -698,7 +698,7 @@ def test_a_body_that_stops_coming_is_408_and_the_router_can_idle(
 def test_a_head_that_stops_coming_is_408(
     two: RunningRouter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(router_module, "HEADER_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(sockio, "HEADER_TIMEOUT_S", 0.3)
     c = Client(two.port)
     c.send(b"POST /v1/x HTTP/1.1\r\nHost: loc")
     assert c.response()[0] == 408
