@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import socket
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -27,6 +28,10 @@ RETRY_FIRST_S = 0.01
 RETRY_MAX_S = 0.25
 RETRY_FOR_S = 10.0  # a worker that refuses connections this long is not coming back soon
 IDLE_MAX = 1024  # idle connections kept (never more than `limit`)
+# A kept connection idle longer is closed, not reused: servers close idle keep-alive
+# connections on timers of their own (gunicorn 2 s, uvicorn and Node 5 s), and one closed
+# just as a request goes out fails that request.
+KEEP_IDLE_S = 1.0
 
 # connect() errors that mean "not now" rather than "not there".
 RETRYABLE = frozenset(
@@ -47,7 +52,8 @@ class Upstream:
         self.on_full = on_full  # called for each request refused because too many wait
         self.in_use = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
-        self._idle: list[tuple[socket.socket, int]] = []  # (connection, worker generation)
+        # (connection, worker generation, when it went idle), the most recent last
+        self._idle: list[tuple[socket.socket, int, float]] = []
 
     @property
     def waiting(self) -> int:
@@ -85,9 +91,12 @@ class Upstream:
 
     def take_idle(self, generation: int) -> socket.socket | None:
         """A kept connection to worker `generation` that is still open, or None."""
+        if not self._idle:
+            return None
+        fresh_since = time.monotonic() - KEEP_IDLE_S
         while self._idle:
-            sock, gen = self._idle.pop()
-            if gen == generation and still_open(sock):
+            sock, gen, since = self._idle.pop()
+            if gen == generation and since >= fresh_since and still_open(sock):
                 return sock
             sock.close()
         return None
@@ -95,13 +104,13 @@ class Upstream:
     def keep(self, sock: socket.socket, generation: int) -> None:
         """Keep a connection whose last response ended cleanly, for the next request."""
         if len(self._idle) < min(self.limit, IDLE_MAX):
-            self._idle.append((sock, generation))
+            self._idle.append((sock, generation, time.monotonic()))
         else:
             sock.close()
 
     def clear(self) -> None:
         """The worker is gone: close the kept connections."""
-        for sock, _ in self._idle:
+        for sock, _, _ in self._idle:
             sock.close()
         self._idle.clear()
 

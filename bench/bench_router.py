@@ -48,7 +48,7 @@ BIG = 100 * 1024 * 1024
 CHUNK = 1024 * 1024
 BODY = b'{"model": "bench", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}'
 SMALL = (
-    b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
     % (
         len(BODY),
         BODY,
@@ -58,7 +58,7 @@ BIG_REQUEST = SMALL.replace(b"/v1/chat/completions", b"/v1/big")
 SMALL_RESPONSE = (
     b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 12\r\n\r\n{"ok": true}'
 )
-BIG_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n"
+BIG_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
 
 # -- the worker: epoll for small requests, a thread for the big response ------------------
 

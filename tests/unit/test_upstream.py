@@ -1,0 +1,76 @@
+"""The worker's side of the data path: slots in arrival order, kept connections."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from agent import upstream
+from agent.upstream import QueueFull, Upstream
+
+
+def test_slots_pass_on_in_arrival_order_and_the_queue_is_bounded() -> None:
+    async def go() -> list[int]:
+        up = Upstream(limit=1, max_waiting=3)
+        await up.acquire()
+        order: list[int] = []
+
+        async def waiter(i: int) -> None:
+            await up.acquire()
+            order.append(i)
+            up.release()
+
+        tasks = [asyncio.create_task(waiter(i)) for i in range(3)]
+        await asyncio.sleep(0)
+        assert up.waiting == 3
+        with pytest.raises(QueueFull):
+            await up.acquire()
+        with pytest.raises(QueueFull):
+            await up.acquire(also_waiting=1)
+        tasks[1].cancel()  # a client that gives up leaves the queue
+        await asyncio.sleep(0)
+        up.release()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert up.in_use == 0 and up.waiting == 0
+        return order
+
+    assert asyncio.run(go()) == [0, 2]
+
+
+def test_a_slot_granted_to_a_waiter_cancelled_in_the_same_turn_passes_on() -> None:
+    async def go() -> int:
+        up = Upstream(limit=1, max_waiting=10)
+        await up.acquire()
+        first = asyncio.create_task(up.acquire())
+        second = asyncio.create_task(up.acquire())
+        await asyncio.sleep(0)
+        up.release()  # granted to `first` …
+        first.cancel()  # … which is cancelled before it runs
+        await asyncio.gather(first, return_exceptions=True)
+        await asyncio.wait_for(second, 1)
+        return up.in_use
+
+    assert asyncio.run(go()) == 1
+
+
+def test_kept_connections_are_reused_only_for_their_generation_and_while_fresh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(upstream.time, "monotonic", lambda: now[0])
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    try:
+        up = Upstream(limit=4, max_waiting=10)
+        up.keep(a, generation=1)
+        assert up.take_idle(generation=2) is None  # another worker: closed, not reused
+        assert a.fileno() == -1
+        up.keep(c, generation=1)
+        now[0] += upstream.KEEP_IDLE_S + 0.1
+        assert up.take_idle(generation=1) is None  # idle too long: the server may close it
+        assert c.fileno() == -1
+    finally:
+        for s in (a, b, c, d):
+            s.close()
