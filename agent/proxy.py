@@ -587,7 +587,10 @@ class _Http(_Connection, HeadReader, ResponseRelay):
         self.begin_reading()
         self.started = False  # the final response head went to the client
         self.interim = False  # a 1xx response went to the client
-        self.deadline: asyncio.Timeout | None = None  # the request timeout
+        # request_timeout_s as an inactivity limit: the timer checks the last activity when
+        # it fires (cheaper than moving a timer on every read and write).
+        self.last_activity = 0.0
+        self.inactivity: asyncio.TimerHandle | None = None
         self._parked: bytes | None = None  # buf[start:end] while waiting for the worker
         self.consumed = False  # the request body has been read from the client entirely
 
@@ -725,13 +728,29 @@ class _Http(_Connection, HeadReader, ResponseRelay):
                 req, head_end, body_end, scanner, address, generation
             )
         finally:
-            self.deadline = None
+            self.disarm()
             self.give_slot()
 
     def progress(self) -> None:
-        deadline = self.deadline
-        if deadline is not None:
-            deadline.reschedule(self.loop.time() + self.backend.request_timeout_s)
+        self.last_activity = self.loop.time()
+
+    def arm(self) -> None:
+        if self.backend.request_timeout_s > 0:
+            self.last_activity = now = self.loop.time()
+            self.inactivity = self.loop.call_at(now + self.backend.request_timeout_s, self._check)
+
+    def disarm(self) -> None:
+        if self.inactivity is not None:
+            self.inactivity.cancel()
+            self.inactivity = None
+
+    def _check(self) -> None:
+        due = self.last_activity + self.backend.request_timeout_s
+        if self.loop.time() < due:
+            self.inactivity = self.loop.call_at(due, self._check)
+            return
+        self.inactivity = None
+        self.abort(TimeoutError())
 
     async def exchange_in_slot(
         self,
@@ -744,16 +763,17 @@ class _Http(_Connection, HeadReader, ResponseRelay):
     ) -> bool:
         timeout_s = self.backend.request_timeout_s
         try:
+            # An inactivity limit: progress() notes every byte either way.
+            self.arm()
             try:
-                # An inactivity limit: progress() moves it on with every byte either way.
-                async with asyncio.timeout(timeout_s if timeout_s > 0 else None) as deadline:
-                    self.deadline = deadline if timeout_s > 0 else None
-                    return await self.forward(req, head_end, body_end, scanner, address, generation)
+                return await self.forward(req, head_end, body_end, scanner, address, generation)
             except asyncio.CancelledError:
                 exc = self.aborted()
                 if exc is None:
                     raise
                 raise exc from None
+            finally:
+                self.disarm()
         except TimeoutError:
             self.drop_upstream()
             what = f"no response from the worker for {timeout_s:g} s (request_timeout_s)"
@@ -924,9 +944,7 @@ class _Http(_Connection, HeadReader, ResponseRelay):
         loop = self.loop
         resp, reusable = await self.relay_message(up, req.method)
         if resp.body == "tunnel":
-            if self.deadline is not None:
-                self.deadline.reschedule(None)  # a tunnel lives as long as its peers want
-                self.deadline = None
+            self.disarm()  # a tunnel lives as long as its peers want
             if pump is not None:
                 await pump
             if self.end > self.start:  # bytes the client sent after its head
