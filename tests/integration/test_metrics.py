@@ -118,7 +118,9 @@ def test_the_routers_requests_by_model_and_status(
 
     def post(model: str) -> int:
         req = urllib.request.Request(
-            f"http://127.0.0.1:{rport}/v1/embeddings", data=json.dumps({"model": model}).encode()
+            f"http://127.0.0.1:{rport}/v1/embeddings",
+            data=json.dumps({"model": model}).encode(),
+            headers={"Content-Type": "application/json"},  # the router refuses form bodies
         )
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
