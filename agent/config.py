@@ -12,21 +12,31 @@
 
 A missing file means the defaults. Parsing is strict like the manifests': an unknown
 table or key, or a value of the wrong kind, is a `Problem` printed as
-`<file>: <key>: <message>`. `parse` is pure; `load` reads the file.
+`<file>: <key>: <message>`. The file gets the manifests' checks too: a regular file
+(opened without blocking), at most 64 KiB, owned by root and writable by nobody else.
+`parse` is pure; `load` reads the file and raises nothing but `ConfigError`.
 """
 
 from __future__ import annotations
 
-import re
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent import paths
+from agent.files import FileProblem, contained, mode_problems, read_regular
 from agent.model import Address, Problem
-from agent.units import UNIT_DIR, Link
-from agent.values import Invalid, did_you_mean, expect_bool, parse_address, quote, unknown_table
+from agent.units import UNIT_DIR, Link, assignment, comment
+from agent.values import (
+    Invalid,
+    did_you_mean,
+    expect_bool,
+    load_toml,
+    parse_address,
+    quote,
+    size_bytes,
+    unknown_table,
+)
 
 ROUTER_SOCKET = "providerd-router.socket"
 ROUTER_SERVICE = "providerd-router.service"
@@ -36,6 +46,8 @@ DEFAULT_ROUTER_ADDRESS = Address("127.0.0.1", 8100)
 DEFAULT_MAX_BODY = 16 << 20
 MIB = 1 << 20
 GIB = 1 << 30
+MAX_CONFIG_BYTES = 64 << 10
+CONFIG_DECIDES = "providerd.toml decides where providerd listens"
 
 
 @dataclass(frozen=True)
@@ -92,16 +104,9 @@ def _addresses(value: object) -> tuple[Address, ...]:
     return tuple(out)
 
 
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)([KMG]?)")
-_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": MIB, "G": GIB}
-
-
 def _size(value: object) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    elif isinstance(value, str) and (m := _SIZE.fullmatch(value.strip())):
-        size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
-    else:
+    size = size_bytes(value, "KMG")
+    if size is None:
         raise Invalid(
             f'expected a size such as "16M" or "1G" (K, M, G: powers of 1024), got {quote(value)}'
         )
@@ -115,7 +120,7 @@ def _number(low: float, high: float, unit: str) -> Callable[[object], float]:
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise Invalid(f"expected a number{unit}, got {quote(value)}")
         if not low <= value <= high:  # also refuses nan
-            raise Invalid(f"must be from {low:g} to {high:g}{unit}, got {value:g}")
+            raise Invalid(f"must be from {low:g} to {high:g}{unit}, got {quote(value)}")
         return float(value)
 
     return convert
@@ -141,11 +146,9 @@ def parse(raw: bytes, source: Path) -> Config | list[Problem]:
     """The settings in `raw` (the text of `source`), or every problem with them. Pure."""
     file = str(source)
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        return [Problem(file, "", f"not UTF-8 text: {e.reason} at byte {e.start}")]
-    except tomllib.TOMLDecodeError as e:
-        return [Problem(file, "", f"not valid TOML: {e}")]
+        data = load_toml(raw, "providerd.toml")
+    except Invalid as e:
+        return [Problem(file, "", str(e))]
     problems: list[Problem] = []
     values: dict[str, dict[str, object]] = {t: {} for t in _TABLES}
     for table, body in data.items():
@@ -176,16 +179,25 @@ def load(path: Path | None = None) -> Config:
     """The settings file (`paths.config_file()` by default); defaults if it does not exist.
     Raises ConfigError."""
     path = path or paths.config_file()
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return Config()
-    except OSError as e:
-        raise ConfigError([Problem(str(path), "", e.strerror or str(e))]) from None
-    result = parse(raw, path)
+    result = contained(str(path), "providerd.toml", lambda: _load(path))
     if isinstance(result, list):
         raise ConfigError(result)
     return result
+
+
+def _load(path: Path) -> Config | list[Problem]:
+    try:
+        raw = read_regular(path, MAX_CONFIG_BYTES, "providerd.toml")
+    except FileProblem as e:
+        if e.missing:
+            return Config()
+        return [Problem(str(path), "", e.message)]
+    checks = [(path, False), (path.parent, True)]
+    problems = mode_problems(path, checks, paths.trusted_uids(), CONFIG_DECIDES)
+    result = parse(raw, path)
+    if isinstance(result, list):
+        return problems + result
+    return problems or result
 
 
 # -- what the generator writes for the router -------------------------------------------------
@@ -198,13 +210,14 @@ def _listen_stream(address: Address) -> str:
 def render_router(config: Config) -> dict[str, str | Link]:
     """The generator's files for the router, by path relative to its output directory: the
     socket's drop-in with the configured address(es), and a `sockets.target.wants/` link
-    to the socket unit when the router is enabled. Pure."""
+    to the socket unit when the router is enabled. Pure; raises units.Unrenderable for
+    a value a unit file would not carry as it is."""
     source = config.source or paths.CONFIG
     lines = [
-        f"# Generated by providerd-generator from {source}; edit that file, not this one.",
+        comment(f"Generated by providerd-generator from {source}; edit that file, not this one."),
         "[Socket]",
-        "ListenStream=",
-        *(f"ListenStream={_listen_stream(a)}" for a in config.router.addresses),
+        assignment("ListenStream", ""),
+        *(assignment("ListenStream", _listen_stream(a)) for a in config.router.addresses),
     ]
     files: dict[str, str | Link] = {f"{ROUTER_SOCKET}.d/{ROUTER_DROPIN}": "\n".join(lines) + "\n"}
     if config.router.enabled:

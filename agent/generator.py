@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TextIO
 
 from agent import config, manifest, units
-from agent.model import Problem, Provider
+from agent.model import Problem, Provider, printable
 
 PROG = units.GENERATOR
 
@@ -34,7 +34,7 @@ class Log:
             self.fd = None
 
     def __call__(self, message: str, level: int = 3) -> None:
-        line = f"{PROG}[{os.getpid()}]: {message}"
+        line = printable(f"{PROG}[{os.getpid()}]: {message}")  # one line, whatever names hold
         if self.fd is not None:
             try:
                 os.write(self.fd, f"<{level}>{line}\n".encode())
@@ -118,8 +118,15 @@ def generate_router(out: Path) -> list[str]:
         ]
     if settings.source is None:
         return []
+    try:
+        files = config.render_router(settings)
+    except units.Unrenderable as e:
+        return [
+            f"{settings.source}: {e}",
+            "Skipping the router's settings: providerd-router.socket keeps its default address",
+        ]
     failures = []
-    for path, content in config.render_router(settings).items():
+    for path, content in files.items():
         try:
             write_atomic(out / path, content)
         except OSError as e:
@@ -135,10 +142,13 @@ def main(argv: list[str], log: Log | None = None) -> int:
             log("Failed to run: expected the output directory as the first argument")
             return 0
         out = Path(argv[0])
-        for line in generate_router(out):
-            log(line)
         try:
-            found = manifest.discover()
+            for line in generate_router(out):
+                log(line)
+        except Exception as e:  # never fail the boot; the providers still get their units
+            log(f"Failed to generate the router's settings: {e}")
+        try:
+            found = manifest.discover()  # each file is its own boundary: this raises nothing
         except Exception as e:  # never fail the boot
             log(f"Failed to read manifests: {e}")
             return 0

@@ -12,20 +12,29 @@ Kept light on imports: the generator parses every manifest at each boot and
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shlex
-import stat
-import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from agent import paths
+from agent import paths, units
+from agent.files import FileProblem, contained, mode_problems, read_regular
 from agent.keys import BY_DOTTED, KEYS, SECTIONS, Key
 from agent.model import Address, Problem, Provider
-from agent.values import CONVERTERS, Host, Invalid, did_you_mean, quote, this_host, unknown_table
+from agent.values import (
+    CONVERTERS,
+    Host,
+    Invalid,
+    did_you_mean,
+    load_toml,
+    quote,
+    this_host,
+    unknown_table,
+)
 
 SLUG_RE = re.compile(r"[a-z0-9_]{1,48}")
 SLUG_RULE = "lowercase letters, digits and '_' only, at most 48 characters"
@@ -186,75 +195,39 @@ def slug_of(path: Path) -> str:
     return path.name[: -len(".toml")] if path.name.endswith(".toml") else path.name
 
 
-def _mode_problem(what: str, st: os.stat_result, uids: frozenset[int], is_dir: bool) -> str | None:
-    if st.st_uid not in uids:
-        trusted = " or ".join(str(u) for u in sorted(uids))
-        return (
-            f"{what} is owned by uid {st.st_uid}, not by root (uid {trusted}); manifests run "
-            "commands on the host, so only root may own them"
-        )
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (is_dir and st.st_mode & stat.S_ISVTX):
-        return (
-            f"{what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); manifests "
-            f"run commands on the host: chmod go-w {what}"
-        )
-    return None
+MANIFESTS_RUN_COMMANDS = "manifests run commands on the host"
 
 
 def ownership_problems(path: Path) -> list[Problem]:
     """The file, its `<slug>/` directory if any, and the manifest directory holding them."""
-    uids = paths.trusted_uids()
     checks = [(path, False), (path.parent, True)]
     if path.name == DIR_MANIFEST:
         checks.append((path.parent.parent, True))
-    out: list[Problem] = []
-    for p, is_dir in checks:
-        try:
-            st = p.stat()
-        except OSError:
-            continue  # reported by the read
-        if (msg := _mode_problem(str(p), st, uids, is_dir)) is not None:
-            out.append(Problem(str(path), "", msg))
-    return out
-
-
-def _read(path: Path) -> bytes | Problem:
-    file = str(path)
-    try:
-        st = path.stat()
-        if stat.S_ISDIR(st.st_mode):
-            return Problem(file, "", "is a directory, expected a manifest file")
-        if not stat.S_ISREG(st.st_mode):
-            return Problem(file, "", "is not a regular file")
-        if st.st_size > MAX_MANIFEST_BYTES:
-            return Problem(file, "", f"is {st.st_size} bytes; a manifest may be at most 1 MiB")
-        with path.open("rb") as f:
-            return f.read(MAX_MANIFEST_BYTES + 1)
-    except OSError as e:
-        return Problem(file, "", f"Failed to read manifest: {e.strerror or e}")
+    return mode_problems(path, checks, paths.trusted_uids(), MANIFESTS_RUN_COMMANDS)
 
 
 def parse_bytes(raw: bytes, path: Path, slug: str, host: Host) -> Provider | list[Problem]:
+    """Validate the bytes of one manifest, and make sure its units can be written."""
     file = str(path)
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return [Problem(file, "", f"is not UTF-8 text (byte {e.start}); a manifest is a TOML file")]
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        return [Problem(file, "", f"is not valid TOML: {e}")]
-    return validate(data, slug, path, host)
+        data = load_toml(raw, "a manifest")
+    except Invalid as e:
+        return [Problem(file, "", str(e))]
+    result = validate(data, slug, path, host)
+    if isinstance(result, Provider):
+        try:
+            units.render(result)
+        except units.Unrenderable as e:
+            return [Problem(file, "", str(e))]
+    return result
 
 
-def parse_file(
-    path: Path, slug: str | None = None, host: Host | None = None
-) -> Provider | list[Problem]:
-    """Read, check owner and mode, and validate one manifest file."""
+def _parse_file(path: Path, slug: str | None, host: Host | None) -> Provider | list[Problem]:
     path = Path(os.path.abspath(path))
-    raw = _read(path)
-    if isinstance(raw, Problem):
-        return [raw]
+    try:
+        raw = read_regular(path, MAX_MANIFEST_BYTES, "manifest")
+    except FileProblem as e:
+        return [Problem(str(path), "", e.message)]
     problems = ownership_problems(path)
     result = parse_bytes(
         raw, path, slug if slug is not None else slug_of(path), host or this_host()
@@ -264,24 +237,42 @@ def parse_file(
     return problems or result
 
 
+def parse_file(
+    path: Path, slug: str | None = None, host: Host | None = None
+) -> Provider | list[Problem]:
+    """Read, check owner and mode, and validate one manifest file: the boundary of one
+    file, so whatever it holds or is comes back as its problems, never as an exception."""
+    return contained(str(path), "manifest", lambda: _parse_file(path, slug, host))
+
+
 # -- discovery and the checks across manifests --------------------------------------------
 
 
-def _candidates(directory: Path) -> list[tuple[str, Path]]:
-    """(slug, manifest path) for every entry that looks like a manifest, sorted."""
+def _candidate(e: os.DirEntry[str]) -> tuple[str, Path] | None:
+    if e.name.startswith("."):
+        return None
+    if e.name.endswith(".toml"):
+        return e.name[: -len(".toml")], Path(e.path)
+    try:
+        if e.is_dir() and os.path.lexists(os.path.join(e.path, DIR_MANIFEST)):
+            return e.name, Path(e.path) / DIR_MANIFEST
+    except OSError:
+        pass  # a symlink loop, say: not a manifest (a `.toml` name is checked as one)
+    return None
+
+
+def _candidates(directory: Path, problems: list[Problem] | None = None) -> list[tuple[str, Path]]:
+    """(slug, manifest path) for every entry that looks like a manifest, sorted. A
+    directory that exists but cannot be listed is a problem (in `problems`)."""
     try:
         entries = sorted(os.scandir(directory), key=lambda e: e.name)
-    except OSError:
+    except OSError as e:
+        if problems is not None and e.errno not in (errno.ENOENT, errno.ENOTDIR):
+            problems.append(
+                Problem(str(directory), "", f"Failed to list manifests: {e.strerror or e}")
+            )
         return []
-    out: list[tuple[str, Path]] = []
-    for e in entries:
-        if e.name.startswith("."):
-            continue
-        if e.name.endswith(".toml"):
-            out.append((e.name[: -len(".toml")], Path(e.path)))
-        elif e.is_dir() and os.path.lexists(os.path.join(e.path, DIR_MANIFEST)):
-            out.append((e.name, Path(e.path) / DIR_MANIFEST))
-    return out
+    return [c for c in map(_candidate, entries) if c is not None]
 
 
 def _collide(a: Address, b: Address) -> bool:
@@ -358,7 +349,7 @@ def _scan(dirs: Iterable[Path], host: Host) -> tuple[list[Provider], list[Proble
     seen: set[str] = set()
     for directory in dirs:
         by_slug: dict[str, list[Path]] = {}
-        for slug, path in _candidates(directory):
+        for slug, path in _candidates(directory, problems):
             by_slug.setdefault(slug, []).append(path)
         for slug, manifests in by_slug.items():
             if slug in seen:
@@ -395,15 +386,18 @@ def check_paths(items: list[Path], host: Host | None = None) -> Discovery:
     manifests: list[Path] = []
     for item in items:
         item = Path(os.path.abspath(item))
-        if item.is_dir() and not item.name.endswith(".toml"):
-            if os.path.lexists(item / DIR_MANIFEST):
-                manifests.append(item / DIR_MANIFEST)
+        try:
+            if item.is_dir() and not item.name.endswith(".toml"):
+                if os.path.lexists(item / DIR_MANIFEST):
+                    manifests.append(item / DIR_MANIFEST)
+                else:
+                    manifests += [path for _, path in _candidates(item, problems)]
+            elif os.path.lexists(item):
+                manifests.append(item)
             else:
-                manifests += [path for _, path in _candidates(item)]
-        elif os.path.lexists(item):
-            manifests.append(item)
-        else:
-            problems.append(Problem(str(item), "", "No such file or directory"))
+                problems.append(Problem(str(item), "", "No such file or directory"))
+        except OSError as e:
+            problems.append(Problem(str(item), "", f"Failed to read: {e.strerror or e}"))
     by_slug: dict[str, list[Path]] = {}
     for path in dict.fromkeys(manifests):  # each file once, in the order given
         by_slug.setdefault(slug_of(path), []).append(path)

@@ -7,6 +7,7 @@ immutable objects. No I/O here.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -112,6 +113,20 @@ class Provider:
         return self.gpu_devices != "none"
 
 
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` safe to print as one line of UTF-8: bytes of a name that are not UTF-8
+    (Python's surrogate escapes) and control characters are written as `\\xNN`."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no file name can hold
+        raw = text.encode("utf-8", "backslashreplace")
+    text = raw.decode("utf-8", "backslashreplace")
+    return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong with one manifest, printed as `<file>: <key>: <message>`."""
@@ -121,8 +136,10 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        return (
+        """One printable line, whatever the file's name or the message hold."""
+        line = (
             f"{self.file}: {self.key}: {self.message}"
             if self.key
             else f"{self.file}: {self.message}"
         )
+        return printable(line)

@@ -13,14 +13,19 @@ import ipaddress
 import math
 import os
 import re
+import sys
+import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from agent.keys import Key
 from agent.model import PLACEHOLDERS, Address, Ready, fill_placeholders
 
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with the terminating NUL
+MAX_DEPTH = 32  # arrays and tables inside each other; no key needs more than 3
+MAX_NAME = 256  # characters of a model name or pattern
 
 
 @dataclass(frozen=True)
@@ -43,17 +48,70 @@ class Invalid(Exception):
 # -- strict TOML checking, shared with agent.config -----------------------------------------
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _escape_control(m: re.Match[str]) -> str:
+    c = m.group()
+    return {"\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(c) or f"\\u{ord(c):04x}"
+
+
 def quote(value: object) -> str:
-    """A value quoted for a message, TOML-like and short."""
+    """A value quoted for a message, TOML-like, on one line and short."""
     if isinstance(value, str):
-        text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        text = value[:200].replace("\\", "\\\\").replace('"', '\\"')
+        text = '"' + _CONTROL.sub(_escape_control, text) + ('"' if len(value) <= 200 else "")
+    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**60:
+        text = f"an integer of {len(str(abs(value)))} digits"
     elif isinstance(value, bool):
         text = "true" if value else "false"
     elif isinstance(value, dict):
         text = "a table"
+    elif isinstance(value, list):
+        text = "[" + ", ".join(quote(v) for v in value[:4]) + (", ...]" if len(value) > 4 else "]")
     else:
         text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _depth(data: object) -> int:
+    """How deeply arrays and tables nest in `data` (iteratively: no recursion limit)."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(data, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Iterable[object] = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+        stack.extend((v, depth + 1) for v in children)
+    return deepest
+
+
+def load_toml(raw: bytes, what: str) -> dict[str, Any]:
+    """The TOML document in `raw` (the text of `what`, such as "a manifest"), with
+    bounded nesting; raises Invalid with the message for the whole file."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise Invalid(f"is not UTF-8 text (byte {e.start}); {what} is a TOML file") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise Invalid(f"is not valid TOML: {e}") from None
+    except RecursionError:
+        raise Invalid(f"nests arrays or tables too deeply (at most {MAX_DEPTH} levels)") from None
+    except ValueError as e:  # int(): more digits than the interpreter converts
+        if "digits" not in str(e):
+            raise
+        limit = sys.get_int_max_str_digits()
+        raise Invalid(f"holds an integer of more than {limit} digits; no key takes one") from None
+    if _depth(data) > MAX_DEPTH:
+        raise Invalid(f"nests arrays or tables more than {MAX_DEPTH} levels deep")
+    return data
 
 
 def did_you_mean(
@@ -101,16 +159,27 @@ def _strings(value: object, what: str = "a list of strings") -> list[str]:
     return list(value)
 
 
+def _number_text(value: float) -> str:
+    """A number for a message: integral floats without ".0", and bounded in length."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return quote(value)
+
+
 def _range(key: Key, value: float, unit: str = "") -> None:
     lo = -math.inf if key.low is None else key.low
     hi = math.inf if key.high is None else key.high
-    if not lo <= value <= hi:  # also refuses nan
-        got = int(value) if float(value).is_integer() else value
-        raise Invalid(f"must be from {key.range_text()}{unit}, got {got}")
+    if not lo <= value <= hi:  # also refuses nan; compares huge integers exactly
+        raise Invalid(f"must be from {key.range_text()}{unit}, got {_number_text(value)}")
 
 
 def _conv_string(value: object, key: Key, host: Host) -> str:
-    return _text(value)
+    text = _text(value)
+    if _CONTROL.search(text):
+        raise Invalid(
+            f"may not contain control characters (newlines, tabs, ...), got {quote(text)}"
+        )
+    return text
 
 
 def _conv_bool(value: object, key: Key, host: Host) -> bool:
@@ -148,21 +217,43 @@ def _conv_gigabytes(value: object, key: Key, host: Host) -> float:
     return _number(value, key, "a number of GB such as 18.5", " GB")
 
 
+# An interface name as the kernel takes it (IFNAMSIZ 16 with the NUL), or an index.
+_SCOPE_RE = re.compile(r"[A-Za-z0-9_.-]{1,15}|[0-9]{1,10}")
+
+
+def _scope_problem(host: str) -> str | None:
+    """Why the `%scope` of an IPv6 address text cannot be used, or None."""
+    _, sep, scope = host.partition("%")
+    if not sep:
+        return None
+    if not _SCOPE_RE.fullmatch(scope) or scope in (".", ".."):
+        return (
+            f"the scope of {quote(host)} is not an interface name "
+            "(letters, digits, '_', '.' or '-', at most 15 characters, such as \"eth0\")"
+        )
+    return None
+
+
 def parse_address(text: str) -> Address:
     """One listen address; raises Invalid with the expected forms."""
     forms = 'expected "host:port", "[v6]:port" or an absolute unix socket path'
     if text.startswith("/"):
         if len(text.encode()) > UNIX_PATH_MAX:
             raise Invalid(f"unix socket path {quote(text)} is longer than {UNIX_PATH_MAX} bytes")
-        if any(c.isspace() or ord(c) < 32 for c in text) or "%" in text:
+        if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in text) or any(
+            c in text for c in "%\\\"'"
+        ):
             raise Invalid(
-                f"unix socket path {quote(text)} may not contain spaces, control characters or '%'"
+                f"unix socket path {quote(text)} may not contain spaces, control characters, "
+                "quotes, '\\' or '%'"
             )
         return Address(None, None, os.path.normpath(text))
     if text.startswith("["):
         host, sep, port = text[1:].partition("]:")
         if not sep:
             raise Invalid(f"{forms}, got {quote(text)}")
+        if (msg := _scope_problem(host)) is not None:
+            raise Invalid(msg)
         try:
             addr: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.IPv6Address(host)
         except ValueError:
@@ -204,6 +295,11 @@ def _conv_cidrs(value: object, key: Key, host: Host) -> tuple[str, ...]:
         if t in _IP_KEYWORDS:
             out.append(t)
             continue
+        if "%" in t:
+            raise Invalid(
+                f"{quote(t)}: an allow-list entry takes no interface scope ('%'); "
+                "IPAddressAllow= matches addresses only"
+            )
         try:
             out.append(str(ipaddress.ip_network(t, strict=False)))
         except ValueError:
@@ -315,7 +411,7 @@ def _conv_urlpaths(value: object, key: Key, host: Host) -> tuple[str, ...]:
     return tuple(out)
 
 
-_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)([KMGTPE]?)")
+_SIZE_RE = re.compile(r"(\d+)(?:\.(\d+))?([KMGTPE]?)")
 _SIZE_UNITS = {
     "": 1,
     "K": 1 << 10,
@@ -326,14 +422,31 @@ _SIZE_UNITS = {
     "E": 1 << 60,
 }
 MIN_MEMORY = 1 << 20
+_SIZE_DIGITS = 40  # more than any size: a longer number is simply too large
+
+
+def size_bytes(value: object, units: str = "KMGTPE") -> int | None:
+    """Bytes for an integer or a text such as "1.5G" (powers of 1024, suffixes from
+    `units`), exactly, without floats; None when `value` has neither form. Numbers too
+    long to be a size come out larger than any limit."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not isinstance(value, str) or not (m := _SIZE_RE.fullmatch(value.strip())):
+        return None
+    whole, frac, unit = m.group(1), m.group(2) or "", m.group(3)
+    if unit and unit not in units:
+        return None
+    if len(whole.lstrip("0")) > _SIZE_DIGITS:
+        return 1 << 200
+    number = Fraction(int(whole)) + (
+        Fraction(int(frac[:_SIZE_DIGITS]), 10 ** len(frac[:_SIZE_DIGITS])) if frac else 0
+    )
+    return int(number * _SIZE_UNITS[unit])
 
 
 def _conv_size(value: object, key: Key, host: Host) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    elif isinstance(value, str) and (m := _SIZE_RE.fullmatch(value.strip())):
-        size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
-    else:
+    size = size_bytes(value)
+    if size is None:
         raise Invalid(
             f'expected a size such as "24G" or "512M" (K, M, G, T: powers of 1024), got {quote(value)}'
         )
@@ -381,12 +494,15 @@ def _conv_gpu_devices(value: object, key: Key, host: Host) -> str | tuple[int | 
 
 def _conv_names(value: object, key: Key, host: Host) -> tuple[str, ...]:
     out = _strings(value, 'a list of model names such as ["llama-3.1-8b"]')
+    seen: set[str] = set()
     for t in out:
-        if not t or any(c.isspace() or ord(c) < 32 for c in t):
+        if not t or any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in t):
             raise Invalid(f"model names must be non-empty and without spaces, got {quote(t)}")
-    dup = {t for t in out if out.count(t) > 1}
-    if dup:
-        raise Invalid(f"{quote(sorted(dup)[0])} is listed twice")
+        if len(t) > MAX_NAME:
+            raise Invalid(f"model names may be at most {MAX_NAME} characters, got {len(t)}")
+        if t in seen:
+            raise Invalid(f"{quote(t)} is listed twice")
+        seen.add(t)
     return tuple(out)
 
 

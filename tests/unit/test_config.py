@@ -140,7 +140,7 @@ def test_not_toml_is_one_problem(tmp_path: Path) -> None:
     with pytest.raises(config.ConfigError) as e:
         config.load(path)
     [problem] = e.value.problems
-    assert str(problem).startswith(f"{path}: not valid TOML: ")
+    assert str(problem).startswith(f"{path}: is not valid TOML: ")
     assert "\n" not in str(problem)
 
 
