@@ -5,6 +5,7 @@
 #   make lint|unit|integration|system|vm   one tier
 #   make deb          dist/providerd_<version>_all.deb
 #   make bench        every bench/bench_*.py, in one go
+#   make fuzz         the property-based tests with a long budget (FUZZ_EXAMPLES=20000 each)
 #
 # Each tier is one pytest run (or lint); its output is kept in .work/logs/<tier>.log.
 # pytest's "no tests collected" (exit 5) fails a tier like any other failure.
@@ -36,10 +37,10 @@ PIP_PACKAGES := pytest ruff mypy
 # and the official openai client that the integration and container tiers talk to providers with.
 TEST_PIP_PACKAGES := kubernetes-validate cel-python pyyaml openai
 
-.PHONY: help test deps venv lint unit integration system vm deb lintian bench demo clean
+.PHONY: help test deps venv lint unit integration system vm deb lintian bench demo fuzz clean
 
 help:
-	@sed -n '2,11s/^# \{0,1\}//p' Makefile
+	@sed -n '2,12s/^# \{0,1\}//p' Makefile
 
 test: lint unit integration system vm
 
@@ -114,6 +115,12 @@ bench: venv deps
 	@$(TIER) bench bash -c 'shopt -s nullglob; set -- bench/bench_*.py; \
 		(( $$# )) || { echo "make bench: no bench/bench_*.py" >&2; exit 1; }; \
 		for b; do echo "== $$b"; $(PY) "$$b"; done'
+
+FUZZ_EXAMPLES ?= 20000
+
+fuzz: venv deps
+	@$(TIER) fuzz env PROVIDERD_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/unit/test_properties.py \
+		--hypothesis-profile=fuzz -p no:cacheprovider $(PYTEST_FLAGS)
 
 demo: venv
 	@examples/demo.sh

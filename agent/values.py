@@ -379,7 +379,7 @@ def _conv_environment(value: object, key: Key, host: Host) -> tuple[tuple[str, s
 def _abspath(text: str, what: str) -> str:
     if not text.startswith("/"):
         raise Invalid(f"expected an absolute {what}, got {quote(text)}")
-    if any(c.isspace() or ord(c) < 32 or c in ":\"'\\" for c in text):
+    if _CONTROL.search(text) or any(c.isspace() or c in ":\"'\\" for c in text):
         raise Invalid(
             f"{quote(text)}: paths with spaces, quotes, ':', '\\' or control characters are not supported "
             "(a symlink without them works)"

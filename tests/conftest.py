@@ -6,11 +6,26 @@ The system (container) and vm tiers need root, systemd-nspawn or qemu and a buil
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 TESTS = Path(__file__).resolve().parent
+
+# Property-based tests: a small budget in the unit tier, a long one for `make fuzz`
+# (`--hypothesis-profile=fuzz`, or PROVIDERD_FUZZ_EXAMPLES=N for any other budget).
+# The autouse fixtures below only set environment variables, the same for every example.
+_QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
+settings.register_profile("unit", max_examples=150, deadline=None, suppress_health_check=_QUIET)
+settings.register_profile(
+    "fuzz",
+    max_examples=int(os.environ.get("PROVIDERD_FUZZ_EXAMPLES", "20000")),
+    deadline=None,
+    suppress_health_check=_QUIET,
+)
+settings.load_profile("unit")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -46,3 +61,15 @@ def _state_dir_of_this_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     """Fronts made in-process keep counters and footprints under the state directory:
     a test's own, never the host's /var/lib/providerd."""
     monkeypatch.setenv("PROVIDERD_STATE_DIR", str(tmp_path / "state"))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    try:
+        from cases.fuzzing import TRIED
+    except ImportError:
+        return
+    if TRIED:
+        total = sum(TRIED.values())
+        terminalreporter.write_line(f"property-based tests: {total} cases tried")
+        for name, n in sorted(TRIED.items()):
+            terminalreporter.write_line(f"  {n:8d}  {name}")

@@ -182,3 +182,76 @@ def parse_unit(text: str) -> list[tuple[str, str, str]]:
 
 def values(text: str, section: str, key: str) -> list[str]:
     return [v for s, k, v in parse_unit(text) if s == section and k == key]
+
+
+# -- reading a unit file the way systemd's conf-parser does ---------------------------------
+
+_WHITESPACE = " \t\n\r"
+_EOL = "\n\r\0"
+
+
+def _lines(text: str) -> list[str]:
+    """systemd's read_line(): a line ends at \\n, \\r or NUL; \\r\\n counts as one end."""
+    out: list[str] = []
+    cur: list[str] = []
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c in _EOL:
+            out.append("".join(cur))
+            cur = []
+            if c == "\r" and text[i + 1 : i + 2] == "\n":
+                i += 1
+        else:
+            cur.append(c)
+        i += 1
+    if cur:
+        out.append("".join(cur))
+    return out
+
+
+def read_unit(text: str) -> list[tuple[str, str, str]]:
+    """(section, key, raw value) for every assignment systemd would see, in order.
+
+    Follows src/shared/conf-parser.c (v252): a line whose first non-blank character is
+    `#` or `;` is a comment and skipped, even in the middle of a continuation; a line
+    that ends in an unescaped backslash continues on the next one, the backslash
+    becoming a space; `[Section]` headers; `Key=value` with both sides stripped.
+    Raises ValueError where systemd would log a syntax error and ignore the line."""
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    out: list[tuple[str, str, str]] = []
+    section = ""
+    continuation: str | None = None
+    for raw in _lines(text):
+        stripped = raw.lstrip(_WHITESPACE)
+        if stripped and stripped[0] in "#;":
+            continue
+        p = raw if continuation is None else continuation + raw
+        escaped = False
+        for c in p:
+            escaped = False if escaped else c == "\\"
+        if escaped:
+            continuation = p[:-1] + " "
+            continue
+        continuation = None
+        line = p.strip(_WHITESPACE)
+        if not line:
+            continue
+        if line.startswith("["):
+            if not line.endswith("]"):
+                raise ValueError(f"invalid section header {line!r}")
+            section = line[1:-1]
+            continue
+        key, sep, value = line.partition("=")
+        if not sep:
+            raise ValueError(f"missing '=' in {line!r}")
+        out.append((section, key.strip(_WHITESPACE), value.strip(_WHITESPACE)))
+    if continuation is not None:
+        line = continuation.strip(_WHITESPACE)
+        if line:
+            key, sep, value = line.partition("=")
+            if not sep:
+                raise ValueError(f"missing '=' in {line!r}")
+            out.append((section, key.strip(_WHITESPACE), value.strip(_WHITESPACE)))
+    return out

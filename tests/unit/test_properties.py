@@ -1,0 +1,287 @@
+"""Property-based tests of the parsers that meet operators' files, and of rendering.
+
+- Any bytes, or a mutated example, given to the manifest parser or to providerd.toml's
+  parser: never an exception; a provider (or settings), or problems with a message.
+- Any manifest the checks accept renders to drop-ins that systemd reads back (by its
+  own rules: comments, continuation lines, quoting, specifiers) as exactly the
+  directives and values meant, and nothing else.
+
+The unit tier runs a small budget; `make fuzz` a long one (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Any
+
+from cases.fuzzing import seeds, tried
+from cases.harness import CASE_HOST, environment, exec_argv, read_unit, unspecify
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from agent import config, manifest, units
+from agent.model import Problem, Provider
+
+SOURCE = Path("/etc/providerd/providers/prop.toml")
+SEEDS = seeds()
+
+# -- bytes in, never an exception out --------------------------------------------------------
+
+
+@st.composite
+def mutated(draw: st.DrawFn, sources: list[bytes]) -> bytes:
+    data = bytearray(draw(st.sampled_from(sources)))
+    for _ in range(draw(st.integers(1, 8))):
+        if not data:
+            break
+        i = draw(st.integers(0, len(data) - 1))
+        op = draw(st.integers(0, 4))
+        if op == 0:
+            del data[i : i + draw(st.integers(1, 16))]
+        elif op == 1:
+            data[i:i] = data[i : i + draw(st.integers(1, 64))] * draw(st.integers(1, 4))
+        elif op == 2:
+            data[i] = draw(st.integers(0, 255))
+        elif op == 3:
+            data[i:i] = draw(st.sampled_from(TOKENS))
+        else:
+            data[i:i] = draw(st.binary(max_size=8))
+    return bytes(data)
+
+
+TOKENS = [
+    b"[", b"]", b"[[", b"{", b"}", b"=", b'"', b"'", b'"""', b",", b".", b"\n", b"\\",
+    b"\\n", b"%", b"$", b"#", b"\x00", b"\xff", b"\xe9", b"9" * 400, b"1e400", b"nan",
+    b"-inf", b"0x7f", b"[" * 60, b"::1%lo", b"\\u000a", b"G", b"E",
+]  # fmt: skip
+
+MANIFEST_BYTES = st.one_of(st.binary(max_size=512), mutated(SEEDS))
+CONFIG_SEEDS = [
+    b'[router]\nenabled = true\naddress = ["127.0.0.1:8100", "[::1]:8100", "/run/r.sock"]\n'
+    b'max_body = "16M"\nidle_timeout_s = 600\n[gpu]\nheadroom_gb = 1.0\n',
+    *[p for p in SEEDS if b"[router]" in p],
+]
+CONFIG_BYTES = st.one_of(st.binary(max_size=256), mutated(CONFIG_SEEDS))
+
+
+def assert_problems(result: object, file: str) -> None:
+    assert isinstance(result, list) and result, result
+    for p in result:
+        assert isinstance(p, Problem) and p.file == file and p.message
+        line = str(p)
+        assert "\n" not in line and "\r" not in line
+        line.encode("utf-8")
+
+
+@given(MANIFEST_BYTES)
+@example(b"a = " + b"[" * 5000 + b"]" * 5000)
+@example(b'[limits]\nmemory_max = "' + b"9" * 400 + b'G"\n')
+@example(b"[listen]\nmax_held = " + b"9" * 5000 + b"\n")
+def test_manifest_bytes_never_raise(raw: bytes) -> None:
+    tried("manifest bytes")
+    result = manifest.parse_bytes(raw, SOURCE, "prop", CASE_HOST)
+    if isinstance(result, Provider):
+        assert units.render(result)
+    else:
+        assert_problems(result, str(SOURCE))
+
+
+@given(CONFIG_BYTES)
+@example(b"[router]\naddress = " + b"[" * 5000 + b"]" * 5000)
+@example(b'[router]\nmax_body = "' + b"9" * 400 + b'"\n')
+def test_config_bytes_never_raise(raw: bytes) -> None:
+    tried("providerd.toml bytes")
+    path = Path("/etc/providerd/providerd.toml")
+    result = config.parse(raw, path)
+    if isinstance(result, config.Config):
+        assert config.render_router(result)
+    else:
+        assert_problems(result, str(path))
+
+
+# -- any accepted manifest renders faithfully --------------------------------------------------
+
+# Text as hostile as a TOML string can be: control characters, quotes, backslashes,
+# specifiers, variables, non-ASCII (no surrogates: TOML cannot hold them).
+HOSTILE = st.text(
+    st.one_of(
+        st.sampled_from(list("\n\r\t\x00\x0b\x1b\x7f\x85\u2028\\\"' %$;#=[]{}/:.-_")),
+        st.characters(blacklist_categories=("Cs",)),
+    ),
+    max_size=24,
+)
+# Most of it valid, so that enough manifests are accepted to check their rendering.
+TEXT = st.text(
+    st.one_of(
+        st.sampled_from(list("\n\t\\\"' %$;#=[]/:.-_")), st.characters(blacklist_categories=("Cs",))
+    ),
+    max_size=16,
+).map(lambda t: t.replace("{", "").replace("}", ""))
+WORD = st.one_of(TEXT, st.sampled_from(["{port}", "{python}", "{slug}", "{{x}}", "", "-"]))
+PORT = st.one_of(st.integers(1, 65535), st.integers(0, 70000))
+IFNAME = st.from_regex(r"[a-z0-9_.-]{1,15}", fullmatch=True)
+
+
+@st.composite
+def address(draw: st.DrawFn) -> str:
+    kind = draw(st.integers(0, 5))
+    port = draw(PORT)
+    if kind == 0:
+        return f"{draw(st.ip_addresses(v=4))}:{port}"
+    if kind in (1, 2):
+        scope = draw(
+            st.one_of(
+                st.just(""), st.builds("%{}".format, IFNAME), st.builds("%{}".format, HOSTILE)
+            )
+        )
+        return f"[{draw(st.ip_addresses(v=6))}{scope}]:{port}"
+    if kind == 3:
+        return "/" + draw(HOSTILE)
+    if kind == 4:
+        return "/run/" + draw(st.text(string.ascii_letters + "._-\\%'\"", max_size=12))
+    return draw(HOSTILE)
+
+
+ALLOW = st.one_of(
+    st.builds(str, st.ip_addresses()),
+    st.builds(lambda a, n: f"{a}/{n}", st.ip_addresses(v=4), st.integers(0, 32)),
+    st.builds(lambda a, s: f"{a}%{s}", st.ip_addresses(v=6), HOSTILE),
+    st.sampled_from(["localhost", "link-local", "multicast"]),
+    HOSTILE,
+)
+ENV_NAME = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullmatch=True)
+
+
+def _opt(**kw: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
+    return st.fixed_dictionaries({}, optional=kw)
+
+
+MANIFEST = st.fixed_dictionaries(
+    {
+        "listen": st.fixed_dictionaries(
+            {"address": st.one_of(address(), st.lists(address(), min_size=1, max_size=3))},
+            optional={
+                "allow": st.lists(ALLOW, max_size=3),
+                "protocol": st.sampled_from(["http", "tcp"]),
+            },
+        ),
+        "runtime": st.fixed_dictionaries(
+            {
+                "command": st.one_of(
+                    st.builds(lambda w: ["/opt/serve", *w], st.lists(WORD, max_size=6)),
+                    st.lists(WORD, min_size=1, max_size=3),
+                )
+            },
+            optional={
+                "environment": st.dictionaries(ENV_NAME, TEXT, max_size=3),
+                "working_directory": st.builds("/{}".format, HOSTILE),
+                "ready": st.one_of(
+                    st.sampled_from(["tcp", "notify"]), st.builds("http:/{}".format, HOSTILE)
+                ),
+                "start_timeout_s": st.one_of(st.integers(1, 3600), st.floats()),
+                "idle_ignore_paths": st.lists(st.builds("/{}".format, TEXT), max_size=2),
+            },
+        ),
+    },
+    optional={
+        "description": st.one_of(TEXT, HOSTILE),
+        "enabled": st.booleans(),
+        "limits": _opt(
+            memory_max=st.one_of(st.integers(0, 1 << 64), st.sampled_from(["1G", "1.5M", "4E"])),
+            tasks_max=st.integers(1, 10**7),
+            cpu_quota=st.builds("{}%".format, st.integers(1, 400)),
+        ),
+        "weights": _opt(paths=st.lists(st.builds("/srv/present{}".format, HOSTILE), max_size=2)),
+        "isolation": _opt(network=st.sampled_from(["private", "host"])),
+        "gpu": _opt(devices=st.sampled_from(["auto", "none", [0], [0, 1]])),
+    },
+)
+
+
+def check_faithful(p: Provider) -> None:
+    files = units.render(p)
+    meant = units.intended(p)
+    for path, assignments in meant.items():
+        text = files[path]
+        assert isinstance(text, str)
+        assert read_unit(text) == assignments, path
+    # ...and each value means what the manifest says.
+    socket = meant[f"provider@{p.slug}.socket.d/{units.DROPIN}"]
+    front = meant[f"provider@{p.slug}.service.d/{units.DROPIN}"]
+    worker = meant[f"provider-worker@{p.slug}.service.d/{units.DROPIN}"]
+
+    def values(assignments: list[units.Assignment], key: str) -> list[str]:
+        return [v for _, k, v in assignments if k == key]
+
+    for part in (socket, front, worker):
+        assert [unspecify(v) for v in values(part, "SourcePath")] == [str(p.source)]
+    assert [unspecify(v) for v in values(socket, "ListenStream")] == [str(a) for a in p.addresses]
+    allow = values(socket, "IPAddressAllow")
+    assert [w for v in allow for w in v.split()] == list(p.allow)
+    assert environment(values(front, "Environment")[0]) == {"PROVIDERD_MANIFEST": str(p.source)}
+    execs = values(worker, "ExecStart")
+    assert execs[0] == "" and exec_argv(execs[1]) == units.worker_argv(p)
+    env: dict[str, str] = {}
+    for v in values(worker, "Environment"):
+        env.update(environment(v))
+    assert env == dict(p.environment)
+    assert [unspecify(v) for v in values(worker, "WorkingDirectory")] == (
+        [p.working_directory] if p.working_directory else []
+    )
+    assert [unspecify(v) for v in values(worker, "BindReadOnlyPaths")] == list(p.weight_paths)
+    what = " ".join(f": {p.description}".split()) if p.description else ""
+    for part, role in ((socket, "listener"), (front, "front"), (worker, "worker")):
+        assert [unspecify(v) for v in values(part, "Description")] == [
+            f"Provider {p.slug}{what} ({role})"
+        ]
+
+
+@given(MANIFEST)
+@example(
+    {
+        "listen": {"address": ["127.0.0.1:1", "[::1%lo\nExecStartPre=x\n#]:2"]},
+        "runtime": {"command": ["/x"]},
+    }
+)
+@example(
+    {
+        "listen": {"address": "/run/x.sock\\", "allow": ["10.0.0.0/8"]},
+        "runtime": {"command": ["/x"]},
+    }
+)
+def test_accepted_manifests_render_faithfully(data: dict[str, Any]) -> None:
+    tried("manifest rendering")
+    result = manifest.validate(data, "prop", SOURCE, CASE_HOST)
+    if isinstance(result, list):
+        assert result and all(p.message for p in result)
+        return
+    try:
+        check_faithful(result)
+        tried("manifest rendering: accepted, read back as meant")
+    except units.Unrenderable as e:  # the last guard refused it: a problem, not a unit
+        tried("manifest rendering: refused by the renderer's guard")
+        assert str(e).startswith("cannot be written safely as ")
+
+
+def test_the_reader_sees_what_an_injection_would_add() -> None:
+    """The reader is systemd's, not the renderer's: it finds a smuggled directive."""
+    injected = "[Socket]\nListenStream=[::1%%lo\nExecStartPre=pwned\n#]:1\n"
+    assert ("Socket", "ExecStartPre", "pwned") in read_unit(injected)
+    continued = "[Socket]\nListenStream=/run/x.sock\\\nIPAddressDeny=any\n"
+    assert read_unit(continued) == [("Socket", "ListenStream", "/run/x.sock IPAddressDeny=any")]
+
+
+def test_the_guard_refuses_what_would_change_a_unit() -> None:
+    for value, reason in [
+        ("a\nExecStartPre=x", "holds the control character U+000A"),
+        ("a\rb", "holds the control character U+000D"),
+        ("/run/x.sock\\", "ends with '\\', which would continue it onto the next line"),
+        (" padded", "starts or ends with a space, which systemd drops"),
+    ]:
+        try:
+            units.assignment("ListenStream", value)
+        except units.Unrenderable as e:
+            assert str(e) == f"cannot be written safely as ListenStream=: the value {reason}"
+        else:
+            raise AssertionError(f"{value!r} was rendered")
