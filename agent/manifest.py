@@ -12,6 +12,7 @@ Kept light on imports: the generator parses every manifest at each boot and
 
 from __future__ import annotations
 
+import bisect
 import errno
 import os
 import re
@@ -25,6 +26,7 @@ from agent import paths, units
 from agent.files import FileProblem, contained, mode_problems, read_regular
 from agent.keys import BY_DOTTED, KEYS, SECTIONS, Key
 from agent.model import Address, Problem, Provider
+from agent.patterns import compile_pattern
 from agent.values import (
     CONVERTERS,
     Host,
@@ -322,10 +324,17 @@ def cross_check(providers: list[Provider]) -> list[Problem]:
                     q, "models.names", f'"{n}" {claim} "{p.slug}" ({p.source}); a model name belongs to one provider',
                     p, "models.names", f'"{n}" {claim} "{q.slug}" ({q.source}); a model name belongs to one provider',
                 )  # fmt: skip
+    # Each pattern against the names that start with its literal prefix, each match in
+    # time linear in the name (agent.patterns): no pattern can make this quadratic or hang.
+    names = sorted(owners)
     for x in providers:
         for pat in x.model_patterns:
-            rx = re.compile(pat)
-            for n, y in owners.items():
+            rx = compile_pattern(pat)
+            prefix = rx.literal_prefix
+            for n in names[bisect.bisect_left(names, prefix) :]:
+                if not n.startswith(prefix):
+                    break
+                y = owners[n]
                 if y is not x and rx.fullmatch(n):
                     both(
                         x, "models.patterns",

@@ -22,6 +22,7 @@ from typing import Any
 
 from agent.keys import Key
 from agent.model import PLACEHOLDERS, Address, Ready, fill_placeholders
+from agent.patterns import PatternError, compile_pattern
 
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with the terminating NUL
 MAX_DEPTH = 32  # arrays and tables inside each other; no key needs more than 3
@@ -509,10 +510,12 @@ def _conv_names(value: object, key: Key, host: Host) -> tuple[str, ...]:
 def _conv_regexes(value: object, key: Key, host: Host) -> tuple[str, ...]:
     out = _strings(value, 'a list of regular expressions such as ["llama-3\\\\..*"]')
     for t in out:
+        if len(t) > MAX_NAME:
+            raise Invalid(f"patterns may be at most {MAX_NAME} characters, got {len(t)}")
         try:
-            re.compile(t)
-        except re.error as e:
-            raise Invalid(f"{quote(t)} is not a valid regular expression: {e}") from None
+            compile_pattern(t)
+        except PatternError as e:
+            raise Invalid(f"{quote(t)} {e}") from None
     return tuple(out)
 
 

@@ -11,17 +11,21 @@ The unit tier runs a small budget; `make fuzz` a long one (tests/conftest.py).
 
 from __future__ import annotations
 
+import re
 import string
+import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from cases.fuzzing import seeds, tried
 from cases.harness import CASE_HOST, environment, exec_argv, read_unit, unspecify
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 from agent import config, manifest, units
-from agent.model import Problem, Provider
+from agent.model import Address, Problem, Provider
+from agent.patterns import PatternError, compile_pattern
 
 SOURCE = Path("/etc/providerd/providers/prop.toml")
 SEEDS = seeds()
@@ -285,3 +289,113 @@ def test_the_guard_refuses_what_would_change_a_unit() -> None:
             assert str(e) == f"cannot be written safely as ListenStream=: the value {reason}"
         else:
             raise AssertionError(f"{value!r} was rendered")
+
+
+# -- model patterns: a linear-time matcher that agrees with `re` ----------------------------
+
+ATOM = st.sampled_from(
+    ["a", "b", "-", r"\.", ".", "[ab]", "[^a]", "[a-c0-2]", r"\d", r"\w", r"\s", "é"]
+)
+
+
+def _quantified(inner: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+    return st.builds(
+        lambda r, q: f"(?:{r}){q}",
+        inner,
+        st.sampled_from(["*", "+", "?", "*?", "+?", "??", "{2}", "{1,3}", "{0,2}?", "{2,}"]),
+    )
+
+
+REGEX = st.recursive(
+    ATOM,
+    lambda inner: st.one_of(
+        st.builds(lambda a, b: a + b, inner, inner),
+        st.builds(lambda a, b: f"(?:{a}|{b})", inner, inner),
+        st.builds("({})".format, inner),
+        _quantified(inner),
+    ),
+    max_leaves=8,
+).flatmap(lambda r: st.sampled_from([r, "^" + r, r + "$", "ab" + r]))
+SUBJECT = st.text(st.sampled_from(list("ab-.0c é\t_")), max_size=10)
+
+
+@given(REGEX, st.lists(SUBJECT, min_size=1, max_size=8))
+@example("(a+)+b", ["a" * 10, "aab"])
+@example("llama-.*-.*-instruct", ["llama-" + "-" * 10, "llama-3-8b-instruct"])
+def test_patterns_match_as_re_does(pattern: str, names: list[str]) -> None:
+    tried("model patterns against re")
+    compiled = compile_pattern(pattern)
+    for name in names:
+        assert compiled.fullmatch(name) == bool(re.fullmatch(pattern, name)), (pattern, name)
+        if compiled.fullmatch(name):
+            assert name.startswith(compiled.literal_prefix)
+
+
+def test_a_pattern_that_backtracks_for_ever_in_re_is_checked_at_once() -> None:
+    compiled = compile_pattern("(a+)+b")
+    t0 = time.perf_counter()
+    assert not compiled.fullmatch("a" * 256)
+    assert not compile_pattern("llama-.*-.*-instruct").fullmatch("llama-" + "-" * 250)
+    assert time.perf_counter() - t0 < 1.0  # re.fullmatch takes years for the first
+
+
+@pytest.mark.parametrize(
+    ("pattern", "message"),
+    [
+        (r"(a)\1", "uses a back-reference, which model patterns do not support"),
+        ("(?=a)a", "uses a look-around, which model patterns do not support"),
+        ("(?i)llama", "uses inline flags such as (?i), which model patterns do not support"),
+        ("a{5000}", "is too complex to check (more than 4096 steps)"),
+        (r"\bx", r"uses \b, \B, \A or \Z, which model patterns do not support"),
+        ("(?>a)", "uses an atomic group, which model patterns do not support"),
+        ("a++", "uses a possessive repeat, which model patterns do not support"),
+        (
+            "(",
+            "is not a valid regular expression: missing ), unterminated subpattern at position 0",
+        ),
+    ],
+)
+def test_patterns_outside_the_regular_part_are_refused(pattern: str, message: str) -> None:
+    with pytest.raises(PatternError) as e:
+        compile_pattern(pattern)
+    assert str(e.value) == message
+
+
+PROVIDER_NAMES = st.lists(st.text("ab-.1", min_size=1, max_size=6), max_size=4, unique=True)
+PROVIDER_PATTERNS = st.lists(REGEX, max_size=2)
+
+
+@given(st.lists(st.tuples(PROVIDER_NAMES, PROVIDER_PATTERNS), min_size=1, max_size=5))
+def test_the_check_across_providers_finds_every_match(
+    models: list[tuple[list[str], list[str]]],
+) -> None:
+    """The prefix index loses nothing: the same problems as trying every pair with re."""
+    tried("model names and patterns across providers")
+    providers = [
+        Provider(
+            slug=f"p{i}",
+            source=Path(f"/p{i}.toml"),
+            addresses=(Address("127.0.0.1", 1000 + i),),
+            model_names=tuple(names),
+            model_patterns=tuple(patterns),
+        )
+        for i, (names, patterns) in enumerate(models)
+    ]
+    got = {(p.file, p.key, p.message) for p in manifest.cross_check(providers)}
+    owners: dict[str, Provider] = {}
+    for p in providers:
+        for n in p.model_names:
+            owners.setdefault(n, p)
+    want = set()
+    for x in providers:
+        for pat in x.model_patterns:
+            for n, y in owners.items():
+                if y is not x and re.fullmatch(pat, n):
+                    want.add(
+                        (
+                            str(x.source),
+                            "models.patterns",
+                            f'"{pat}" matches "{n}", a name of provider "{y.slug}" ({y.source}); narrow the pattern',
+                        )
+                    )
+    assert {g for g in got if g[1] == "models.patterns"} == want
