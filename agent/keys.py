@@ -399,7 +399,8 @@ KEYS: tuple[Key, ...] = (
         "names",
         "list of strings",
         "[]",
-        "Exact model names this provider serves; no two providers may claim one name.",
+        "Exact model names this provider serves, each at most 256 characters without spaces; "
+        "no two providers may claim one name.",
     ),
     Key(
         "models",
@@ -408,7 +409,9 @@ KEYS: tuple[Key, ...] = (
         "list of strings (regular expressions)",
         "[]",
         "Regular expressions a model name must match in full; a pattern may not match "
-        "another provider's exact name.",
+        "another provider's exact name. At most 256 characters, and only the regular part "
+        "of Python's syntax (no back-references, look-arounds, \\b or inline flags), so "
+        "that every match takes time linear in the name.",
     ),
     Key(
         "runtime",
