@@ -26,7 +26,7 @@ from agent import paths, units
 from agent.files import FileProblem, contained, mode_problems, read_regular
 from agent.keys import BY_DOTTED, KEYS, SECTIONS, Key
 from agent.model import Address, Problem, Provider
-from agent.patterns import compile_pattern
+from agent.patterns import Pattern, compile_pattern
 from agent.values import (
     CONVERTERS,
     Host,
@@ -296,6 +296,23 @@ def _address_groups(providers: list[Provider]) -> list[list[tuple[Provider, Addr
     return [g for g in groups.values() if len({id(p) for p, _ in g}) > 1]
 
 
+def _candidate_names(rx: Pattern, names: list[str]) -> Iterable[str]:
+    """The names of `names` (sorted) that `rx` may match: those that start with its
+    literal prefix (a binary search), else those that contain its literal. Each match
+    then takes time linear in the name (agent.patterns), so no pattern can hang this."""
+    prefix = rx.literal_prefix
+    if prefix:
+        for n in names[bisect.bisect_left(names, prefix) :]:
+            if not n.startswith(prefix):
+                return
+            yield n
+    elif rx.literal:
+        literal = rx.literal
+        yield from (n for n in names if literal in n)
+    else:
+        yield from names
+
+
 def cross_check(providers: list[Provider]) -> list[Problem]:
     """Problems between valid providers: shared addresses and model names. Pure."""
     out: list[Problem] = []
@@ -324,16 +341,11 @@ def cross_check(providers: list[Provider]) -> list[Problem]:
                     q, "models.names", f'"{n}" {claim} "{p.slug}" ({p.source}); a model name belongs to one provider',
                     p, "models.names", f'"{n}" {claim} "{q.slug}" ({q.source}); a model name belongs to one provider',
                 )  # fmt: skip
-    # Each pattern against the names that start with its literal prefix, each match in
-    # time linear in the name (agent.patterns): no pattern can make this quadratic or hang.
     names = sorted(owners)
     for x in providers:
         for pat in x.model_patterns:
             rx = compile_pattern(pat)
-            prefix = rx.literal_prefix
-            for n in names[bisect.bisect_left(names, prefix) :]:
-                if not n.startswith(prefix):
-                    break
+            for n in _candidate_names(rx, names):
                 y = owners[n]
                 if y is not x and rx.fullmatch(n):
                     both(

@@ -11,8 +11,9 @@ back-references, look-arounds, conditionals, atomic groups, possessive repeats,
 word boundaries and inline flags are refused with a message, as is a program of
 more than `MAX_PROGRAM` steps (`a{1000}`, say).
 
-`literal_prefix` gives the characters every match starts with, so the check across
-providers tests a pattern only against the names that share them.
+`literal_prefix` gives the characters every match starts with, and `literal` some it
+contains, so the check across providers tests a pattern only against the names that
+have them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import functools
 import importlib
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 _parser: Any = importlib.import_module("re._parser")  # the stdlib's own parser (3.11+)
@@ -168,68 +169,107 @@ class _Compiler:
             self.patch(s, "split", s + 1, len(self.prog))
 
 
-def _literal_prefix(items: Any) -> str:
-    out = []
+def _literal_runs(items: Any) -> tuple[str, str]:
+    """The literal prefix of a top-level sequence, and its longest run of literals: every
+    match starts with the first and contains the second."""
+    runs: list[str] = []
+    run: list[str] = []
+    prefix: str | None = None
     for op, arg in items:
-        if str(op) != "LITERAL":
-            break
-        out.append(chr(arg))
-    return "".join(out)
+        if str(op) == "LITERAL":
+            run.append(chr(arg))
+            continue
+        if prefix is None:
+            prefix = "".join(run)
+        runs.append("".join(run))
+        run = []
+    runs.append("".join(run))
+    if prefix is None:
+        prefix = runs[0]
+    return prefix, max(runs, key=len)
+
+
+State = frozenset[int]
+_MAX_STATES = 1 << 14  # transitions cached per pattern before the cache starts over
 
 
 @dataclass(frozen=True)
 class Pattern:
+    """A compiled model pattern. `fullmatch` simulates the automaton, building the
+    deterministic one lazily as names are matched (as RE2 does), so that matching many
+    names is mostly dictionary look-ups; time stays O(len(program) x len(name))."""
+
     text: str
     program: tuple[Instr, ...]
     literal_prefix: str  # every name it matches starts with this
+    literal: str  # ... and contains this (the longest literal run at the top level)
+    _moves: dict[tuple[State, str], State] = field(default_factory=dict, compare=False, repr=False)
+    _accepts: dict[State, bool] = field(default_factory=dict, compare=False, repr=False)
 
     def fullmatch(self, name: str) -> bool:
         """Whether the whole of `name` matches, as `re.fullmatch` answers for the same
-        pattern; in O(len(program) x len(name)) time."""
-        n = len(name)
-        prog = self.program
-        current = self._closure([0], 0, n)
-        for i, c in enumerate(name):
-            nxt: list[int] = []
-            for pc in current:
-                if pc < len(prog) and prog[pc][1](c):  # the closure holds only "char" and the end
-                    nxt.append(pc + 1)
+        pattern."""
+        if not name:
+            return len(self.program) in self._closure([0], bol=True, eol=True)
+        state = self._closure([0], bol=True, eol=False)
+        moves = self._moves
+        for c in name:
+            nxt = moves.get((state, c))
+            if nxt is None:
+                nxt = self._step(state, c)
+                if len(moves) >= _MAX_STATES:
+                    moves.clear()
+                moves[(state, c)] = nxt
             if not nxt:
                 return False
-            current = self._closure(nxt, i + 1, n)
-        return len(prog) in current
+            state = nxt
+        accepts = self._accepts.get(state)
+        if accepts is None:
+            accepts = len(self.program) in self._closure(list(state), bol=False, eol=True)
+            if len(self._accepts) >= _MAX_STATES:
+                self._accepts.clear()
+            self._accepts[state] = accepts
+        return accepts
 
-    def _closure(self, starts: list[int], pos: int, n: int) -> list[int]:
-        """The consuming instructions (and the end, len(program)) reachable from `starts`
-        without consuming a character at position `pos`."""
+    def _step(self, state: State, c: str) -> State:
+        prog = self.program
+        end = len(prog)
+        nxt = [pc + 1 for pc in state if pc < end and prog[pc][0] == "char" and prog[pc][1](c)]
+        return self._closure(nxt, bol=False, eol=False) if nxt else frozenset()
+
+    def _closure(self, starts: list[int], *, bol: bool, eol: bool) -> State:
+        """The instructions reachable from `starts` without consuming a character that
+        wait for one (a "char", or an "eol" when not at the end), and the end."""
         prog = self.program
         end = len(prog)
         seen: set[int] = set()
-        out: list[int] = []
-        stack = list(reversed(starts))
+        out: set[int] = set()
+        stack = list(starts)
         while stack:
             pc = stack.pop()
             if pc in seen:
                 continue
             seen.add(pc)
             if pc == end:
-                out.append(pc)
+                out.add(pc)
                 continue
             instr = prog[pc]
             op = instr[0]
             if op == "char":
-                out.append(pc)
+                out.add(pc)
             elif op == "jmp":
                 stack.append(instr[1])
             elif op == "split":
-                stack.append(instr[2])
-                stack.append(instr[1])
+                stack += (instr[2], instr[1])
             elif op == "bol":
-                if pos == 0:
+                if bol:
                     stack.append(pc + 1)
-            elif op == "eol" and pos == n:
-                stack.append(pc + 1)
-        return out
+            elif op == "eol":
+                if eol:
+                    stack.append(pc + 1)
+                else:
+                    out.add(pc)  # may still pass at the end
+        return frozenset(out)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -252,4 +292,5 @@ def compile_pattern(text: str) -> Pattern:
         c.seq(parsed)
     except RecursionError:
         raise PatternError("nests groups too deeply") from None
-    return Pattern(text, tuple(c.prog), _literal_prefix(parsed))
+    prefix, literal = _literal_runs(parsed)
+    return Pattern(text, tuple(c.prog), prefix, literal)

@@ -328,7 +328,7 @@ def test_patterns_match_as_re_does(pattern: str, names: list[str]) -> None:
     for name in names:
         assert compiled.fullmatch(name) == bool(re.fullmatch(pattern, name)), (pattern, name)
         if compiled.fullmatch(name):
-            assert name.startswith(compiled.literal_prefix)
+            assert name.startswith(compiled.literal_prefix) and compiled.literal in name
 
 
 def test_a_pattern_that_backtracks_for_ever_in_re_is_checked_at_once() -> None:
