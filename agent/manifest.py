@@ -302,10 +302,10 @@ def _candidate_names(rx: Pattern, names: list[str]) -> Iterable[str]:
     then takes time linear in the name (agent.patterns), so no pattern can hang this."""
     prefix = rx.literal_prefix
     if prefix:
-        for n in names[bisect.bisect_left(names, prefix) :]:
-            if not n.startswith(prefix):
+        for i in range(bisect.bisect_left(names, prefix), len(names)):
+            if not names[i].startswith(prefix):
                 return
-            yield n
+            yield names[i]
     elif rx.literal:
         literal = rx.literal
         yield from (n for n in names if literal in n)

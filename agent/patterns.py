@@ -28,6 +28,7 @@ from typing import Any
 _parser: Any = importlib.import_module("re._parser")  # the stdlib's own parser (3.11+)
 
 MAX_PROGRAM = 4096  # steps of a compiled pattern
+MAX_DEPTH = 32  # groups, alternations and repeats inside each other
 _MAXREPEAT: int = _parser.MAXREPEAT
 
 
@@ -42,7 +43,7 @@ Pred = Callable[[str], bool]
 
 
 def _category(name: str) -> Pred:
-    preds: dict[str, Pred] = {
+    preds: dict[str, Pred] = {  # as sre's unicode categories
         "CATEGORY_DIGIT": str.isdecimal,
         "CATEGORY_NOT_DIGIT": lambda c: not c.isdecimal(),
         "CATEGORY_SPACE": str.isspace,
@@ -80,13 +81,80 @@ def _in(items: list[tuple[Any, Any]]) -> Pred:
     return pred
 
 
+_CATEGORIES = (
+    "CATEGORY_DIGIT",
+    "CATEGORY_NOT_DIGIT",
+    "CATEGORY_SPACE",
+    "CATEGORY_NOT_SPACE",
+    "CATEGORY_WORD",
+    "CATEGORY_NOT_WORD",
+)
+_UNSUPPORTED = {
+    "GROUPREF": "a back-reference",
+    "GROUPREF_EXISTS": "a conditional group",
+    "ASSERT": "a look-around",
+    "ASSERT_NOT": "a look-around",
+    "ATOMIC_GROUP": "an atomic group",
+    "POSSESSIVE_REPEAT": "a possessive repeat",
+}
+_ANCHORS = ("AT_BEGINNING", "AT_BEGINNING_STRING", "AT_END", "AT_END_STRING")
+
+
+def _size(items: Any, depth: int = 0) -> int:
+    """The number of steps `_Compiler` makes of a parsed sequence, without making them;
+    raises PatternError for what it cannot compile, for more than MAX_PROGRAM steps, or
+    for groups nested more than MAX_DEPTH deep."""
+    if depth > MAX_DEPTH:
+        raise PatternError(f"nests groups more than {MAX_DEPTH} deep")
+    total = 0
+    for op, arg in items:
+        kind = str(op)
+        if kind in ("LITERAL", "NOT_LITERAL", "ANY"):
+            n = 1
+        elif kind == "IN":
+            for iop, iarg in arg:
+                ikind = str(iop)
+                if ikind == "CATEGORY" and str(iarg) not in _CATEGORIES:
+                    raise PatternError(
+                        f"uses the class {iarg}, which model patterns do not support"
+                    )
+                if ikind not in ("NEGATE", "LITERAL", "RANGE", "CATEGORY"):
+                    raise PatternError(
+                        f"uses {ikind} in a class, which model patterns do not support"
+                    )
+            n = 1
+        elif kind == "SUBPATTERN":
+            if arg[1] or arg[2]:
+                raise PatternError(
+                    "uses inline flags such as (?i), which model patterns do not support"
+                )
+            n = _size(arg[3], depth + 1)
+        elif kind == "BRANCH":
+            n = sum(_size(alt, depth + 1) for alt in arg[1]) + 2 * (len(arg[1]) - 1)
+        elif kind in ("MAX_REPEAT", "MIN_REPEAT"):
+            lo, hi, body = arg
+            b = _size(body, depth + 1)
+            n = lo * b + (b + 2 if hi == _MAXREPEAT else (hi - lo) * (b + 1))
+        elif kind == "AT":
+            if str(arg) not in _ANCHORS:
+                raise PatternError("uses \\b, \\B, \\A or \\Z, which model patterns do not support")
+            n = 1
+        else:
+            what = _UNSUPPORTED.get(kind, kind)
+            raise PatternError(f"uses {what}, which model patterns do not support")
+        total += n
+        if total > MAX_PROGRAM:
+            raise PatternError(f"is too complex to check (more than {MAX_PROGRAM} steps)")
+    return total
+
+
 class _Compiler:
+    """Thompson's construction over a sequence `_size` accepted."""
+
     def __init__(self) -> None:
         self.prog: list[Instr] = []
 
     def emit(self, *instr: Any) -> int:
-        if len(self.prog) >= MAX_PROGRAM:
-            raise PatternError(f"is too complex to check (more than {MAX_PROGRAM} steps)")
         self.prog.append(tuple(instr))
         return len(self.prog) - 1
 
@@ -109,35 +177,14 @@ class _Compiler:
         elif kind == "IN":
             self.emit("char", _in(arg))
         elif kind == "SUBPATTERN":
-            _group, add_flags, del_flags, body = arg
-            if add_flags or del_flags:
-                raise PatternError(
-                    "uses inline flags such as (?i), which model patterns do not support"
-                )
-            self.seq(body)
+            self.seq(arg[3])
         elif kind == "BRANCH":
             self.branch(arg[1])
         elif kind in ("MAX_REPEAT", "MIN_REPEAT"):
             lo, hi, body = arg
             self.repeat(lo, hi, body)
-        elif kind == "AT":
-            at = str(arg)
-            if at in ("AT_BEGINNING", "AT_BEGINNING_STRING"):
-                self.emit("bol")
-            elif at in ("AT_END", "AT_END_STRING"):
-                self.emit("eol")
-            else:
-                raise PatternError("uses \\b, \\B, \\A or \\Z, which model patterns do not support")
-        else:
-            what = {
-                "GROUPREF": "a back-reference",
-                "GROUPREF_EXISTS": "a conditional group",
-                "ASSERT": "a look-around",
-                "ASSERT_NOT": "a look-around",
-                "ATOMIC_GROUP": "an atomic group",
-                "POSSESSIVE_REPEAT": "a possessive repeat",
-            }.get(kind, kind)
-            raise PatternError(f"uses {what}, which model patterns do not support")
+        else:  # AT, one of _ANCHORS
+            self.emit("bol" if str(arg) in _ANCHORS[:2] else "eol")
 
     def branch(self, alternatives: list[Any]) -> None:
         jumps: list[int] = []
@@ -200,11 +247,18 @@ class Pattern:
     names is mostly dictionary look-ups; time stays O(len(program) x len(name))."""
 
     text: str
-    program: tuple[Instr, ...]
+    parsed: Any = field(compare=False, repr=False)
     literal_prefix: str  # every name it matches starts with this
     literal: str  # ... and contains this (the longest literal run at the top level)
     _moves: dict[tuple[State, str], State] = field(default_factory=dict, compare=False, repr=False)
     _accepts: dict[State, bool] = field(default_factory=dict, compare=False, repr=False)
+
+    @functools.cached_property
+    def program(self) -> tuple[Instr, ...]:
+        """The automaton, made on the first match (most patterns are never tried)."""
+        c = _Compiler()
+        c.seq(self.parsed)
+        return tuple(c.prog)
 
     def fullmatch(self, name: str) -> bool:
         """Whether the whole of `name` matches, as `re.fullmatch` answers for the same
@@ -287,10 +341,9 @@ def compile_pattern(text: str) -> Pattern:
         raise PatternError("uses inline flags such as (?i), which model patterns do not support")
     if parsed.state.groups > 1 + 100:
         raise PatternError("has more than 100 groups")
-    c = _Compiler()
     try:
-        c.seq(parsed)
+        _size(parsed)
     except RecursionError:
         raise PatternError("nests groups too deeply") from None
     prefix, literal = _literal_runs(parsed)
-    return Pattern(text, tuple(c.prog), prefix, literal)
+    return Pattern(text, parsed, prefix, literal)

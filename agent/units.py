@@ -9,6 +9,7 @@ relative to the generator's output directory to the file's text or a `Link`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -265,6 +266,11 @@ def intended(provider: Provider, python: str = PYTHON) -> dict[str, list[Assignm
 def render(provider: Provider, python: str = PYTHON) -> dict[str, str | Link]:
     """Every file the generator writes for one provider, by path relative to its output dir.
     Raises Unrenderable for a value that a unit file would not carry as it is."""
+    return dict(_render(provider, python))
+
+
+@functools.lru_cache(maxsize=1 << 15)  # validation renders each provider once, the generator again
+def _render(provider: Provider, python: str) -> dict[str, str | Link]:
     slug = provider.slug
     files: dict[str, str | Link] = {
         f"{socket_unit(slug)}.d/{DROPIN}": render_socket(provider),
