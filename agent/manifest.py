@@ -25,7 +25,7 @@ from typing import Any, TextIO
 from agent import paths, units
 from agent.files import FileProblem, contained, mode_problems, read_regular
 from agent.keys import BY_DOTTED, KEYS, SECTIONS, Key
-from agent.model import Address, Problem, Provider
+from agent.model import Address, Problem, Provider, printable
 from agent.patterns import Pattern, compile_pattern
 from agent.values import (
     CONVERTERS,
@@ -480,10 +480,10 @@ def main_check(items: list[str], out: TextIO, err: TextIO) -> int:
     if found.problems:
         return 1
     for p in found.providers.values():
-        out.write(summary(p) + "\n")
+        out.write(printable(summary(p)) + "\n")
     if not found.providers:
         where = ", ".join(items) if items else ", ".join(str(d) for d in paths.manifest_dirs())
-        err.write(f"providerctl: no manifests found in {where}\n")
+        err.write(printable(f"providerctl: no manifests found in {where}") + "\n")
     return 0
 
 

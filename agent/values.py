@@ -268,7 +268,7 @@ def parse_address(text: str) -> Address:
         except ValueError:
             hint = " (write IPv6 addresses as [addr]:port)" if ":" in host else ""
             raise Invalid(f"{quote(host)} is not an IPv4 address{hint}; {forms}") from None
-    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+    if not (port.isascii() and port.isdigit()) or len(port) > 5 or not 1 <= int(port) <= 65535:
         raise Invalid(f"port must be from 1 to 65535, got {quote(port)} in {quote(text)}")
     return Address(str(addr), int(port))
 
@@ -439,7 +439,7 @@ def size_bytes(value: object, units: str = "KMGTPE") -> int | None:
         return None
     if len(whole.lstrip("0")) > _SIZE_DIGITS:
         return 1 << 200
-    number = Fraction(int(whole)) + (
+    number = Fraction(int(whole.lstrip("0") or "0")) + (
         Fraction(int(frac[:_SIZE_DIGITS]), 10 ** len(frac[:_SIZE_DIGITS])) if frac else 0
     )
     return int(number * _SIZE_UNITS[unit])
@@ -458,7 +458,7 @@ def _conv_size(value: object, key: Key, host: Host) -> int:
     return size
 
 
-_PERCENT_RE = re.compile(r"(\d+)%")
+_PERCENT_RE = re.compile(r"(\d{1,9})%")
 
 
 def _conv_percent(value: object, key: Key, host: Host) -> int:

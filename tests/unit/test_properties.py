@@ -57,7 +57,7 @@ def mutated(draw: st.DrawFn, sources: list[bytes]) -> bytes:
 TOKENS = [
     b"[", b"]", b"[[", b"{", b"}", b"=", b'"', b"'", b'"""', b",", b".", b"\n", b"\\",
     b"\\n", b"%", b"$", b"#", b"\x00", b"\xff", b"\xe9", b"9" * 400, b"1e400", b"nan",
-    b"-inf", b"0x7f", b"[" * 60, b"::1%lo", b"\\u000a", b"G", b"E",
+    b"-inf", b"0x7f", b"[" * 60, b"::1%lo", b"\\u000a", b"G", b"E", b"9" * 5000, b"0" * 5000,
 ]  # fmt: skip
 
 MANIFEST_BYTES = st.one_of(st.binary(max_size=512), mutated(SEEDS))
@@ -82,6 +82,8 @@ def assert_problems(result: object, file: str) -> None:
 @example(b"a = " + b"[" * 5000 + b"]" * 5000)
 @example(b'[limits]\nmemory_max = "' + b"9" * 400 + b'G"\n')
 @example(b"[listen]\nmax_held = " + b"9" * 5000 + b"\n")
+@example(b'[listen]\naddress = "127.0.0.1:' + b"9" * 5000 + b'"\n')
+@example(b'[limits]\ncpu_quota = "' + b"9" * 5000 + b'%"\nmemory_max = "' + b"0" * 5000 + b'1G"\n')
 def test_manifest_bytes_never_raise(raw: bytes) -> None:
     tried("manifest bytes")
     result = manifest.parse_bytes(raw, SOURCE, "prop", CASE_HOST)
