@@ -266,6 +266,10 @@ def intended(provider: Provider, python: str = PYTHON) -> dict[str, list[Assignm
 def render(provider: Provider, python: str = PYTHON) -> dict[str, str | Link]:
     """Every file the generator writes for one provider, by path relative to its output dir.
     Raises Unrenderable for a value that a unit file would not carry as it is."""
+    try:
+        hash(provider)
+    except TypeError:  # a Provider built with a list somewhere: render it afresh
+        return dict(_render.__wrapped__(provider, python))
     return dict(_render(provider, python))
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from cases.harness import CASES, REPO, directives, write
 
-from agent import config, generator, manifest
+from agent import config, generator, manifest, values
 from agent.model import Provider
 
 GOOD = '[listen]\naddress = "127.0.0.1:18010"\n[runtime]\ncommand = ["/bin/true"]\n'
@@ -248,3 +248,24 @@ def test_a_bad_providerd_toml_leaves_the_providers_generated(
 
 def test_a_valid_manifest_is_still_a_provider(tmp_path: Path) -> None:
     assert isinstance(manifest.parse_file(write(tmp_path, "ok.toml", GOOD)), Provider)
+
+
+def test_the_renderer_refuses_what_a_check_let_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should a check ever miss a line break (as the scope check once did), the renderer's
+    own guard makes it a problem of that manifest: nothing reaches a unit."""
+    monkeypatch.setattr(values, "_scope_problem", lambda host: None)
+    write(tmp_path, "good.toml", GOOD)
+    bad = write(
+        tmp_path,
+        "bad.toml",
+        '[listen]\naddress = ["[::1%lo\\nExecStartPre=pwned\\n#]:18012"]\n'
+        '[runtime]\ncommand = ["/bin/true"]\n',
+    )
+    found = manifest.discover([tmp_path])
+    assert list(found.providers) == ["good"]
+    assert [str(p) for p in found.problems] == [
+        f"{bad}: cannot be written safely as ListenStream=: the value holds the control "
+        "character U+000A"
+    ]
