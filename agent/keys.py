@@ -449,7 +449,11 @@ _INTRO = (
     "in `PROVIDERD_TRUSTED_UID`, which tests set to their own) and must not be writable by group "
     "or others (a sticky directory such as /tmp is accepted). Unknown keys are errors. "
     "`providerctl check` prints every problem, one line "
-    "each; the generator skips a manifest with problems and generates all others."
+    "each; the generator skips a manifest with problems and generates all others. Whatever a "
+    "file holds or is (a regular file of at most 1 MiB is expected; deep nesting, huge numbers, "
+    "a FIFO, a symlink loop or a name that is not UTF-8 are refused), it costs only itself. "
+    "No value can add a line to a unit: the generator refuses any value that would carry a "
+    "control character or a trailing `\\` into one."
 )
 
 
