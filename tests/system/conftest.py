@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .nspawn import Container
+from .nspawn import Container, installed
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -106,38 +106,23 @@ def demo_manifest(port: int, idle: float) -> str:
 
 @pytest.fixture(scope="session")
 def ct(deb: Path, base_tarball: Path) -> Iterator[Container]:
-    workdir = Path(f"/var/tmp/providerd-ct-{os.getpid()}")
-    c = Container(workdir, f"providerd-ct-{os.getpid()}")
-    try:
-        c.unpack(base_tarball)
-        c.copy_in(deb, f"/root/{deb.name}")
+    def prepare(c: Container) -> None:
         c.copy_in(HERE / "probe_worker.py", PROBE)
         (c.root / PROBE.lstrip("/")).chmod(0o755)
         c.copy_in(REPO / "tests" / "workers" / "misbehave.py", MISBEHAVE)
         (c.root / MISBEHAVE.lstrip("/")).chmod(0o755)
-        # The container has no network of its own once booted: fetch the package's
-        # dependencies from Debian now, so that `apt install` below resolves them offline.
-        r = c.run_unbooted(
-            "apt-get update -qq && apt-get install -y -qq --download-only --no-install-recommends "
-            f"/root/{deb.name}"
-        )
-        assert r.rc == 0, f"cannot download the .deb's dependencies:\n{r}"
         # An administrator's manifest that exists before the package: postinst must start it.
         manifests = c.root / "etc/providerd/providers"
         manifests.mkdir(parents=True, exist_ok=True)
         (manifests / "preinstalled.toml").write_text(probe_manifest(18001))
         (manifests / "preinstalled.toml").chmod(0o644)
-        c.boot()
-        install = c.sh(
-            f"apt-get install -y --no-install-recommends /root/{deb.name}", check=False, timeout=300
-        )
-        c.install_log = install
-        assert install.rc == 0, f"apt install of the .deb failed:\n{install}"
-        yield c
-    finally:
-        c.poweroff()
-        if not os.environ.get("PROVIDERD_KEEP_CONTAINER"):
-            c.remove()
+
+    keep = bool(os.environ.get("PROVIDERD_KEEP_CONTAINER"))
+    try:
+        with installed(deb, base_tarball, f"providerd-ct-{os.getpid()}", prepare, keep) as c:
+            yield c
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture

@@ -14,6 +14,8 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,3 +216,49 @@ class Container:
 
     def listening(self, port: int) -> bool:
         return self.sh(f"ss -Hltn 'sport = :{port}' | grep -q .", check=False).rc == 0
+
+
+def base_tarball() -> Path:
+    """The cached Debian 12 base tree (built on first use by base-rootfs.sh)."""
+    script = Path(__file__).resolve().parent / "base-rootfs.sh"
+    out = subprocess.run([str(script)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"cannot build the Debian 12 base tree:\n{out.stderr}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+@contextmanager
+def installed(
+    deb: Path,
+    tarball: Path,
+    name: str,
+    prepare: Callable[[Container], None] = lambda _c: None,
+    keep: bool = False,
+) -> Iterator[Container]:
+    """A booted container with `deb` installed by apt; `prepare(c)` runs on the tree before
+    boot (copy files in, write manifests). Powered off and removed afterwards unless `keep`."""
+    c = Container(Path(f"/var/tmp/{name}"), name)
+    try:
+        c.unpack(tarball)
+        c.copy_in(deb, f"/root/{deb.name}")
+        # The container has no network of its own once booted: fetch the package's
+        # dependencies from Debian now, so that `apt install` below resolves them offline.
+        r = c.run_unbooted(
+            "apt-get update -qq && apt-get install -y -qq --download-only --no-install-recommends "
+            f"/root/{deb.name}"
+        )
+        if r.rc != 0:
+            raise RuntimeError(f"cannot download the .deb's dependencies:\n{r}")
+        prepare(c)
+        c.boot()
+        install = c.sh(
+            f"apt-get install -y --no-install-recommends /root/{deb.name}", check=False, timeout=300
+        )
+        c.install_log = install
+        if install.rc != 0:
+            raise RuntimeError(f"apt install of the .deb failed:\n{install}")
+        yield c
+    finally:
+        c.poweroff()
+        if not keep:
+            c.remove()

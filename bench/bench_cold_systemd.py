@@ -1,0 +1,221 @@
+"""What providerd adds to a cold start under a real systemd (the container tier's Debian 12).
+
+A model that listens LOAD seconds after it starts (a small Python listener). Each round,
+inside the container, interleaved:
+  direct: launch the model as a plain process → its port accepts (polled every 0.2 ms) →
+          first response byte;
+  cold:   the installed package, provider released (front and worker inactive, socket
+          listening) → connect and send a request → first response byte.
+The added time is cold - direct, per round; the figure is the median (target ≤ 30 ms).
+Between rounds `providerctl stop` releases the provider, so every round is a real
+activation: socket → front (and worker) units → wrapper → model → readiness → proxy.
+After the rounds, the journal of the last one shows where the time went.
+
+    python3 bench/bench_cold_systemd.py [--deb dist/providerd_0.1.0_all.deb] [--rounds N]
+                                        [--load S] [--keep]
+
+Needs root (systemd-nspawn) and the cached base tree of the container tier
+(tests/system/base-rootfs.sh builds it). Writes bench/results/cold_systemd.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.system.nspawn import Container, base_tarball, installed  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "cold_systemd.txt"
+LIB = "/usr/local/lib/providerd-bench"
+SLUG = "coldbench"
+PORT = 18300
+
+MODEL = """\
+import socket, sys, time
+time.sleep(float(sys.argv[2]))
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen(1024)
+while True:
+    c, _ = s.accept()
+    c.recv(65536)
+    c.sendall(b"HTTP/1.1 200 OK\\r\\nContent-Length: 2\\r\\n\\r\\nok")
+    c.close()
+"""
+
+# Runs inside the container: one JSON line per round.
+CLIENT = """\
+import json, socket, subprocess, sys, time
+rounds, port, slug, model, load = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+REQUEST = b"GET / HTTP/1.1\\r\\nHost: bench\\r\\nConnection: close\\r\\n\\r\\n"
+
+def first_byte(p):
+    with socket.create_connection(("127.0.0.1", p), timeout=60) as c:
+        c.sendall(REQUEST)
+        if not c.recv(1):
+            raise RuntimeError("closed without an answer")
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+def direct():
+    p = free_port()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, model, str(p), load])
+    try:
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", p)) == 0:
+                    break
+            time.sleep(0.0002)
+        first_byte(p)
+        return time.perf_counter() - t0
+    finally:
+        proc.terminate()
+        proc.wait()
+
+def inactive():
+    units = [f"provider@{slug}.service", f"provider-worker@{slug}.service"]
+    r = subprocess.run(["systemctl", "is-active", *units], capture_output=True, text=True)
+    return all(s in ("inactive", "failed") for s in r.stdout.split())
+
+def release():
+    subprocess.run(["providerctl", "stop", slug], capture_output=True)
+    deadline = time.monotonic() + 30
+    while not inactive():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the provider was not released within 30 s")
+        time.sleep(0.02)
+    time.sleep(0.2)
+
+release()
+for i in range(rounds):
+    d = direct()
+    t0 = time.perf_counter()
+    first_byte(port)
+    c = time.perf_counter() - t0
+    print(json.dumps({"round": i + 1, "direct": d, "cold": c}), flush=True)
+    release()
+"""
+
+
+def manifest(load: float) -> str:
+    return textwrap.dedent(
+        f"""\
+        description = "cold-start bench"
+        enabled = false
+        [listen]
+        address = "127.0.0.1:{PORT}"
+        protocol = "http"
+        [runtime]
+        command = ["/usr/bin/python3", "{LIB}/model.py", "{{port}}", "{load}"]
+        ready = "tcp"
+        start_timeout_s = 60
+        idle_timeout_s = 300
+        """
+    )
+
+
+def prepare(c: Container) -> None:
+    lib = c.root / LIB.lstrip("/")
+    lib.mkdir(parents=True, exist_ok=True)
+    (lib / "model.py").write_text(MODEL)
+    (lib / "client.py").write_text(CLIENT)
+    for f in lib.iterdir():
+        f.chmod(0o755)
+    lib.chmod(0o755)
+
+
+def breakdown(ct: Container, since: str) -> list[str]:
+    """The last round's journal lines that mark its steps, with monotonic times."""
+    marks = (
+        f"provider@{SLUG}.service",
+        f"provider-worker@{SLUG}.service",
+        "Starting worker",
+        "Started the model",
+        "ready after",
+        "Worker ready",
+        "Adopting",
+    )
+    after = f"--after-cursor='{since}'" if since else ""
+    out = ct.sh(
+        f"journalctl -q --no-pager -o short-monotonic {after} "
+        f"-u provider@{SLUG}.service -u provider-worker@{SLUG}.service",
+        check=False,
+    ).out
+    lines = [line for line in out.splitlines() if any(m in line for m in marks)]
+    # The last activation: from the last socket-triggered front start.
+    starts = [n for n, line in enumerate(lines) if f"Starting provider@{SLUG}" in line]
+    lines = lines[starts[-1] if starts else 0 :]
+    return [line for line in lines if "Stopp" not in line and "Deactivated" not in line][:12]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--deb", default=str(REPO / "dist" / "providerd_0.1.0_all.deb"))
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--load", type=float, default=1.0, help="the model's own load time, s")
+    ap.add_argument("--keep", action="store_true", help="keep the container tree afterwards")
+    ap.add_argument("--no-write", action="store_true", help="print only")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("bench_cold_systemd: needs root (systemd-nspawn)", file=sys.stderr)
+        return 2
+    deb = Path(args.deb).resolve()
+    if not deb.is_file():
+        print(f"bench_cold_systemd: {deb} does not exist; run `make deb`", file=sys.stderr)
+        return 2
+    name = f"providerd-bench-{os.getpid()}"
+    with installed(deb, base_tarball(), name, prepare, keep=args.keep) as ct:
+        ct.write(f"/etc/providerd/providers/{SLUG}.toml", manifest(args.load))
+        ct.sh("providerctl reload")
+        ct.sh(f"systemctl start provider@{SLUG}.socket")
+        # One warm-up activation (page cache, bytecode), not counted.
+        ct.sh(f"python3 {LIB}/client.py 1 {PORT} {SLUG} {LIB}/model.py {args.load}", timeout=120)
+        since = ct.cursor()
+        r = ct.sh(
+            f"python3 {LIB}/client.py {args.rounds} {PORT} {SLUG} {LIB}/model.py {args.load}",
+            timeout=60 + args.rounds * (args.load + 15),
+        )
+        rounds = [json.loads(line) for line in r.out.splitlines() if line.startswith("{")]
+        journal = breakdown(ct, since)
+        version = ct.sh("systemctl --version | head -n 1", check=False).out.strip()
+    out = [
+        f"Cold start under systemd ({version}), container tier, model load {args.load:g} s, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"{'round':>5} {'direct ms':>10} {'cold ms':>9} {'added ms':>9}",
+    ]
+    added = []
+    for x in rounds:
+        a = (x["cold"] - x["direct"]) * 1000
+        added.append(a)
+        out.append(
+            f"{x['round']:>5} {x['direct'] * 1000:>10.1f} {x['cold'] * 1000:>9.1f} {a:>9.1f}"
+        )
+    out.append(
+        f"added: median {statistics.median(added):.1f} ms, min {min(added):.1f}, "
+        f"max {max(added):.1f} (target: median <= 30 ms)"
+    )
+    out.append("last round's journal (monotonic s):")
+    out += [f"  {line}" for line in journal]
+    text = "\n".join(out) + "\n"
+    print(text, end="")
+    if not args.no_write:
+        RESULTS.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
