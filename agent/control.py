@@ -73,11 +73,16 @@ def write_env_file(path: Path, env: Mapping[str, str]) -> None:
 
 
 class SystemdWorker:
-    def __init__(self, systemd: Systemd, slug: str, start_timeout_s: float) -> None:
+    def __init__(
+        self, systemd: Systemd, slug: str, start_timeout_s: float, *, with_front: bool = False
+    ) -> None:
         self.systemd = systemd
         self.slug = slug
         self.unit = f"provider-worker@{slug}.service"
         self.start_timeout_s = start_timeout_s
+        # systemd started the worker on the front's own activation: the first start joins
+        # that one (or reports its failure) instead of starting the model a second time.
+        self._with_front = with_front
         self._on_exit: ExitCallback = lambda _reason: None
         self._watching = False
         self._running = False  # we started it and did not ask it to stop
@@ -119,6 +124,9 @@ class SystemdWorker:
         if not self._watching:
             await self.systemd.watch(self.unit, self._state_changed)
             self._watching = True
+        if self._with_front:
+            self._with_front = False
+            await self._failed_with_front()
         try:
             result = await asyncio.wait_for(
                 self.systemd.start_unit(self.unit), self.start_timeout_s + 30
@@ -137,6 +145,21 @@ class SystemdWorker:
             result = f"unit is {active}"
         reason = await self._failure_reason("failed to start")
         raise StartFailed(reason, await journal_tail(self.unit))
+
+    async def _failed_with_front(self) -> None:
+        """Raise StartFailed if the start systemd made beside the front has failed already.
+
+        The activation enqueued a start job for the worker with the front's; it is either
+        still under way (StartUnit joins it), done (StartUnit finds the unit active), or
+        failed before the front asked: "failed" with no job can only be that start's end,
+        since a start job clears an earlier failure when it runs.
+        """
+        job = await self.systemd.get(self.unit, "Unit", "Job")
+        active = await self.systemd.get(self.unit, "Unit", "ActiveState")
+        job_id = job[0] if isinstance(job, (list, tuple)) and job else 0
+        if active == "failed" and not job_id:
+            reason = await self._failure_reason("failed to start")
+            raise StartFailed(reason, await journal_tail(self.unit))
 
     async def stop(self) -> None:
         self._running = False

@@ -20,9 +20,10 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
-from agent import counters, preload
+from agent import counters, preload, saved_backoff
 from agent.control import DeviceRules, StartFailed, WorkerControl
 from agent.listeners import Listeners
 from agent.model import Address, Provider
@@ -121,6 +122,8 @@ class Front:
         notify: Notify = lambda _s: None,
         log: logging.Logger | None = None,
         admission: Admission | None = None,
+        worker_port: int | None = None,
+        backoff_file: Path | None = None,
     ) -> None:
         self.provider = provider
         self.worker = worker
@@ -142,7 +145,10 @@ class Front:
             on_full=lambda: self.counters.count_refused("too_many_waiting"),
         )
         self.generation = 0
-        self.address = Address("127.0.0.1", provider.worker_port)
+        # The worker's port: fixed, or 0 to pick a free one at each start (foreground mode).
+        self.worker_port = provider.worker_port if worker_port is None else worker_port
+        self.address = Address("127.0.0.1", self.worker_port)
+        self.backoff_file = backoff_file  # systemd mode: the backoff outlives this front
         self.served = 0
         self.last_used = time.time()
         self.last_start: dict[str, Any] | None = None
@@ -338,10 +344,12 @@ class Front:
                 self._backoff_timer = asyncio.get_running_loop().call_later(
                     delay, self._dispatch, Event.BACKOFF_OVER, "backoff over"
                 )
+                self._save_backoff()
             elif action == Action.RESET_BACKOFF:
                 self.backoff.reset()
                 self.failure = None
                 self.failure_extra = {}
+                self._save_backoff()
             elif action == Action.ARM_IDLE and self.in_flight == 0:
                 self._arm_idle()
         if self.state == State.IDLE and self.waiters and self.listening.accepting:
@@ -362,10 +370,12 @@ class Front:
             "Starting worker %s%s", cause, f", {waiting} request(s) waiting" if waiting else ""
         )
         try:
-            port = self.provider.worker_port or free_port()
+            port = self.worker_port or free_port()
             self.address = Address("127.0.0.1", port)
             env, devices = await self.admission.admit(self)
             env = {"PROVIDERD_WORKER_PORT": str(port), **env}
+            if self.backoff_file is not None:
+                saved_backoff.clear(self.backoff_file)  # else the worker's condition skips it
             await asyncio.wait_for(
                 self.worker.start(env, devices), self.provider.start_timeout_s + 60
             )
@@ -453,6 +463,40 @@ class Front:
             self._spawn(self.admission.released(self))
             self._stopped.set()
         self._dispatch(Event.WORKER_EXITED, reason)
+
+    def _save_backoff(self) -> None:
+        if self.backoff_file is None:
+            return
+        try:
+            if self.backoff.failures:
+                saved = saved_backoff.Saved(
+                    self.backoff.failures, self.backoff_until, self.failure or "start failed"
+                )
+                saved_backoff.save(self.backoff_file, saved)
+            else:
+                saved_backoff.clear(self.backoff_file)
+        except OSError as e:
+            self.log.warning("Failed to keep the backoff in %s: %s, ignoring", self.backoff_file, e)
+
+    def restore_backoff(self, saved: saved_backoff.Saved) -> None:
+        """Go on with an earlier front's backoff (before accepting): refuse until it runs out."""
+        self.backoff.failures = saved.failures
+        self.failure = saved.reason
+        left = saved.until - time.monotonic()
+        if left <= 0:
+            return  # over: the next demand starts the worker
+        self.state = State.BACKOFF
+        self.backoff_until = saved.until
+        self._backoff_timer = asyncio.get_running_loop().call_later(
+            left, self._dispatch, Event.BACKOFF_OVER, "backoff over"
+        )
+        self.log.info(
+            "Worker unavailable after %d failed start(s) (%s); refusing requests for %.1f s more",
+            saved.failures,
+            saved.reason,
+            left,
+        )
+        self._update_status()
 
     # ------------------------------------------------------------------ control
 
@@ -622,7 +666,11 @@ def inherited_listeners(socket_unit: str = "provider@SLUG.socket") -> list[socke
 
 
 async def run_systemd(slug: str) -> int:
-    """The front as `provider@SLUG.service` runs it."""
+    """The front as `provider@SLUG.service` runs it.
+
+    What decides the worker's start comes first; the control socket and signal handlers
+    are set up while the start is under way.
+    """
     import signal
 
     from agent import paths, rpc
@@ -641,7 +689,11 @@ async def run_systemd(slug: str) -> int:
     listeners = inherited_listeners()
     bus = DbusSystemd()
     await bus.connect()
-    worker = SystemdWorker(bus, slug, provider.start_timeout_s)
+    backoff_file = paths.backoff_file(slug)
+    saved = saved_backoff.load(backoff_file)
+    # With a saved backoff the worker's condition kept systemd from starting it.
+    with_front = provider.starts_with_front and saved is None and not backoff_file.exists()
+    worker = SystemdWorker(bus, slug, provider.start_timeout_s, with_front=with_front)
     front = Front(
         provider,
         worker,
@@ -650,11 +702,15 @@ async def run_systemd(slug: str) -> int:
         notify=notify,
         log=log,
         admission=admission_for(provider, worker),
+        worker_port=provider.known_worker_port,
+        backoff_file=backoff_file,
     )
-    server = await rpc.serve(paths.control_socket(slug), front.handle)
+    if saved is not None:
+        front.restore_backoff(saved)
     front.start_accepting()
     notify("READY=1")
     front.warm(preload.activation_cause(provider))  # a connection, a plain start, the boot
+    server = await rpc.serve(paths.control_socket(slug), front.handle)
     loop = asyncio.get_running_loop()
     grace = provider.stop_timeout_s
     loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(front.stop(grace)))

@@ -53,6 +53,11 @@ class Ready:
         return f"http:{self.path}" if self.kind == "http" else self.kind
 
 
+# The worker's port inside a provider's private network namespace, which only its front
+# and worker share: fixed, so that systemd can start the worker without asking the front.
+PRIVATE_WORKER_PORT = 8000
+
+
 @dataclass(frozen=True)
 class Provider:
     slug: str
@@ -111,6 +116,20 @@ class Provider:
     @property
     def uses_gpu(self) -> bool:
         return self.gpu_devices != "none"
+
+    @property
+    def known_worker_port(self) -> int:
+        """The worker's port when it is known before any start: `worker_port`, or in the
+        provider's own network namespace a fixed one; 0 when the front picks one per start."""
+        if self.worker_port:
+            return self.worker_port
+        return PRIVATE_WORKER_PORT if self.network == "private" else 0
+
+    @property
+    def starts_with_front(self) -> bool:
+        """Nothing about the worker's start is decided at run time (no GPU placement, a known
+        port): systemd starts it on the front's own activation, beside the front."""
+        return not self.uses_gpu and self.known_worker_port != 0
 
 
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")

@@ -43,6 +43,13 @@ def worker_env_file(slug: str) -> Path:
     return provider_runtime_dir(slug) / "worker.env"
 
 
+def backoff_file(slug: str) -> Path:
+    """The front's backoff after a failed start, kept between activations (beside, not in,
+    the provider's runtime directory, which goes with the front); while it exists,
+    `ConditionPathExists=!` keeps systemd from starting the worker with the front."""
+    return runtime_dir() / f"{slug}.backoff"
+
+
 def trusted_uids() -> frozenset[int]:
     """Owners a manifest may have: root, plus PROVIDERD_TRUSTED_UID if set (for tests)."""
     uids = {0}

@@ -24,6 +24,8 @@ SOCKET_TEMPLATE = f"{UNIT_DIR}/provider@.socket"
 FRONT_TEMPLATE = f"{UNIT_DIR}/provider@.service"
 PYTHON = "/usr/bin/python3"
 INDEX = "providerd.json"
+# agent.paths.backoff_file() at its default place, as a unit specifier.
+BACKOFF_FILE = "/run/providerd/%i.backoff"
 FRONT_STOP_MARGIN_S = 30  # the front's TimeoutStopSec= is stop_timeout_s plus this
 
 
@@ -218,7 +220,18 @@ def front_assignments(provider: Provider) -> list[Assignment]:
 
 def worker_assignments(provider: Provider, python: str = PYTHON) -> list[Assignment]:
     out = _unit(provider, "worker")
+    if provider.starts_with_front:
+        # Nothing to decide at run time: systemd starts the worker on the front's own
+        # activation (the front Wants= it), unless the front's backoff after a failed
+        # start is running (it keeps that in a file between activations).
+        out += [
+            ("Unit", "ConditionPathExists", ""),
+            ("Unit", "ConditionPathExists", f"!{BACKOFF_FILE}"),
+        ]
     lines = [("ExecStart", ""), ("ExecStart", exec_line(worker_argv(provider, python)))]
+    if provider.known_worker_port:
+        port = str(provider.known_worker_port)
+        lines.append(("Environment", environment_assignment("PROVIDERD_WORKER_PORT", port)))
     lines += [("Environment", environment_assignment(k, v)) for k, v in provider.environment]
     if provider.working_directory:
         lines.append(("WorkingDirectory", escape_specifiers(provider.working_directory)))

@@ -25,9 +25,11 @@ Readiness (`--ready`, default `tcp`)
     datagram address of the wrapper's own, accepting senders of the wrapper's uid or
     root); its `STATUS=`, `EXTEND_TIMEOUT_USEC=`, `ERRNO=`, `WATCHDOG=` and
     `STOPPING=1` are passed upward, never `MAINPID=`. With `tcp` and `http` the model
-    gets no `NOTIFY_SOCKET`. Probes start 1 ms apart and back off to 100 ms (a tenth
-    of the time since the start), so a model that is ready at once is seen within a
-    few ms. Meanwhile `STATUS=Loading (probe: <what the last probe saw>)`; once the
+    gets no `NOTIFY_SOCKET`. Probes start 1 ms apart and back off (a tenth of the
+    time since the start) to 5 ms while nothing accepts the connection (a refused
+    loopback connect costs microseconds), so a model is seen within a few ms of
+    listening; once the model accepts but does not answer 2xx yet (`http`: 503 while
+    loading), to 50 ms, not to flood its log. Meanwhile `STATUS=Loading (probe: <what the last probe saw>)`; once the
     model answers, `READY=1` and `STATUS=Serving on <host>:<port>`. The wrapper
     never gives up on its own: `TimeoutStartSec=` (or the foreground front) decides.
 
@@ -81,7 +83,8 @@ SIGNAL_NAMES = {
 }
 PR_SET_PDEATHSIG = 1
 PROBE_FIRST_S = 0.001
-PROBE_MAX_S = 0.1
+PROBE_MAX_S = 0.005  # while nothing listens
+PROBE_ANSWERED_MAX_S = 0.05  # while the model answers "not yet"
 PROBE_TIMEOUT_S = 2.0
 RELAYED = ("STATUS=", "EXTEND_TIMEOUT_USEC=", "ERRNO=", "WATCHDOG=", "STOPPING=")
 
@@ -254,6 +257,7 @@ class Wrapper:
         self.previous: dict[int, object] = {}
         self.ready = False
         self.seen = "not probed yet"
+        self.connected = False  # the last probe reached the model
         self.signals: list[int] = []
         self.started = time.monotonic()
         self.reaped = False
@@ -346,8 +350,10 @@ class Wrapper:
         sock = _socket.socket(self.family, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
         sock.settimeout(PROBE_TIMEOUT_S)
         what = f"GET {self.path}: " if self.kind == "http" else ""
+        self.connected = False
         try:
             sock.connect((self.probe_host, self.port))
+            self.connected = True
             if self.kind == "tcp":
                 return None
             sock.sendall(self.request)
@@ -468,7 +474,8 @@ class Wrapper:
                         notify(f"STATUS=Loading (probe: {seen})")
                         announced = seen
                     elapsed = time.monotonic() - self.started
-                    timeout_ms = 1000 * min(PROBE_MAX_S, max(PROBE_FIRST_S, elapsed / 10))
+                    cap = PROBE_ANSWERED_MAX_S if self.connected else PROBE_MAX_S
+                    timeout_ms = 1000 * min(cap, max(PROBE_FIRST_S, elapsed / 10))
             for fd, _events in poller.poll(timeout_ms):
                 if fd == self.pidfd:
                     return self.finish()

@@ -41,12 +41,15 @@ class Unit:
     pids: list[int] = field(default_factory=list)
     memory_current: int = 2**64 - 1
     memory_max: int = 2**64 - 1
+    job: int = 0  # the id of the unit's pending job, 0 for none
 
 
 class FakeSystemd:
     def __init__(self) -> None:
         self.units: dict[str, Unit] = {}
         self.calls: list[tuple[str, str]] = []
+        self._jobs: dict[str, asyncio.Task[str]] = {}
+        self._next_job = 0
 
     def unit(self, name: str) -> Unit:
         return self.units.setdefault(name, Unit(name))
@@ -59,6 +62,32 @@ class FakeSystemd:
 
     async def start_unit(self, name: str) -> str:
         self.calls.append(("start", name))
+        job = self._jobs.get(name)
+        if job is not None:  # a start job is under way: systemd merges the new one into it
+            return await asyncio.shield(job)
+        return await self._start_job(name)
+
+    def start_with_front(self, name: str) -> asyncio.Task[str]:
+        """What an activation does for a worker the front Wants=: a start job nobody waits for."""
+        return self._start_job_task(name)
+
+    def _start_job_task(self, name: str) -> asyncio.Task[str]:
+        unit = self.unit(name)
+        unit.job = self._next_job = self._next_job + 1
+        task = asyncio.get_running_loop().create_task(self._run_start(name))
+        self._jobs[name] = task
+
+        def removed(_t: asyncio.Task[str]) -> None:
+            self._jobs.pop(name, None)
+            unit.job = 0
+
+        task.add_done_callback(removed)
+        return task
+
+    async def _start_job(self, name: str) -> str:
+        return await asyncio.shield(self._start_job_task(name))
+
+    async def _run_start(self, name: str) -> str:
         unit = self.unit(name)
         b = unit.behaviour
         if unit.active == "active":
@@ -98,6 +127,7 @@ class FakeSystemd:
         values: dict[tuple[str, str], Any] = {
             ("Unit", "ActiveState"): unit.active,
             ("Unit", "SubState"): unit.sub,
+            ("Unit", "Job"): [unit.job, f"/org/freedesktop/systemd1/job/{unit.job}" if unit.job else "/"],
             ("Service", "Result"): unit.result,
             ("Service", "ExecMainStatus"): unit.status,
             ("Service", "MemoryCurrent"): unit.memory_current,

@@ -1,0 +1,50 @@
+"""The front's backoff after a failed start, kept from one activation to the next.
+
+A provider whose worker systemd starts beside the front (`Provider.starts_with_front`)
+would otherwise try a broken model again on every activation, however often it failed:
+the front is gone between activations, and its backoff with it. So the front writes
+`<runtime>/<slug>.backoff` when a start fails (and the worker unit has
+`ConditionPathExists=!` on it: no start with the next activation while it exists), and
+removes it before it starts the worker itself, and when a start succeeds. The next front
+reads it and goes on with the same backoff: refusing until it runs out, then one start.
+
+The time is CLOCK_MONOTONIC, which every namespace shares and which, like `/run`, does
+not outlive a boot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Saved:
+    failures: int  # consecutive failed starts
+    until: float  # time.monotonic() when the backoff runs out
+    reason: str  # what the last failure was, for the 503s
+
+
+def load(path: Path) -> Saved | None:
+    """The saved backoff, or None (none saved, or unreadable: then it is not honoured)."""
+    try:
+        data = json.loads(path.read_text())
+        saved = Saved(int(data["failures"]), float(data["until"]), str(data["reason"]))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return saved if saved.failures > 0 else None
+
+
+def save(path: Path, saved: Saved) -> None:
+    data = {"failures": saved.failures, "until": saved.until, "reason": saved.reason}
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data) + "\n")
+    os.replace(tmp, path)
+
+
+def clear(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
