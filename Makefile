@@ -6,6 +6,7 @@
 #   make deb          dist/providerd_<version>_all.deb
 #   make bench        every bench/bench_*.py, in one go
 #   make fuzz         the property-based tests with a long budget (FUZZ_EXAMPLES=20000 each)
+#   make soak         1,000 activation → request → release cycles in the container (bench/soak.py)
 #
 # Each tier is one pytest run (or lint); its output is kept in .work/logs/<tier>.log.
 # pytest's "no tests collected" (exit 5) fails a tier like any other failure.
@@ -37,10 +38,10 @@ PIP_PACKAGES := pytest ruff mypy
 # and the official openai client that the integration and container tiers talk to providers with.
 TEST_PIP_PACKAGES := kubernetes-validate cel-python pyyaml openai
 
-.PHONY: help test deps venv lint unit integration system vm deb lintian bench demo fuzz clean
+.PHONY: help test deps venv lint unit integration system vm deb lintian bench soak demo fuzz clean
 
 help:
-	@sed -n '2,12s/^# \{0,1\}//p' Makefile
+	@sed -n '2,13s/^# \{0,1\}//p' Makefile
 
 test: lint unit integration system vm
 
@@ -121,6 +122,9 @@ FUZZ_EXAMPLES ?= 20000
 fuzz: venv deps
 	@$(TIER) fuzz env PROVIDERD_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/unit/test_properties.py \
 		--hypothesis-profile=fuzz -p no:cacheprovider $(PYTEST_FLAGS)
+
+soak: venv deb
+	@$(TIER) soak $(PY) bench/soak.py --deb=$(DEB)
 
 demo: venv
 	@examples/demo.sh

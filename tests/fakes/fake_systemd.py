@@ -127,7 +127,10 @@ class FakeSystemd:
         values: dict[tuple[str, str], Any] = {
             ("Unit", "ActiveState"): unit.active,
             ("Unit", "SubState"): unit.sub,
-            ("Unit", "Job"): [unit.job, f"/org/freedesktop/systemd1/job/{unit.job}" if unit.job else "/"],
+            ("Unit", "Job"): [
+                unit.job,
+                f"/org/freedesktop/systemd1/job/{unit.job}" if unit.job else "/",
+            ],
             ("Service", "Result"): unit.result,
             ("Service", "ExecMainStatus"): unit.status,
             ("Service", "MemoryCurrent"): unit.memory_current,

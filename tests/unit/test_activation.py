@@ -1,0 +1,236 @@
+"""A worker that systemd starts on the front's own activation, and the backoff that
+outlives a front: what the front, its SystemdWorker and the rendered units decide."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from agent import saved_backoff, units
+from agent.control import StartFailed, SystemdWorker
+from agent.front import Front
+from agent.model import PRIVATE_WORKER_PORT, Address, Provider
+from agent.state import State
+from tests.fakes.fake_systemd import Behaviour, FakeSystemd
+from tests.unit.test_front import InProcessWorker, get, listener, shutdown
+
+UNIT = "provider-worker@demo.service"
+
+
+@pytest.fixture(autouse=True)
+def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("PROVIDERD_RUNTIME_DIR", str(tmp_path))
+    return tmp_path
+
+
+def provider(**kw: object) -> Provider:
+    base: dict[str, object] = {
+        "slug": "demo",
+        "source": Path("/etc/providerd/providers/demo.toml"),
+        "addresses": (Address("127.0.0.1", 8008),),
+        "command": ("/opt/m", "--port", "{port}"),
+    }
+    base.update(kw)
+    return Provider(**base)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- which providers
+
+
+def test_only_providers_with_nothing_to_decide_start_with_the_front() -> None:
+    assert provider().starts_with_front
+    assert provider().known_worker_port == PRIVATE_WORKER_PORT
+    assert provider(network="host", worker_port=9000).starts_with_front
+    # Decided at run time: a free port on the host network, or a GPU's placement.
+    assert not provider(network="host").starts_with_front
+    assert provider(network="host").known_worker_port == 0
+    assert not provider(gpu_devices="auto").starts_with_front
+
+
+def test_the_worker_dropin_lifts_the_front_only_condition_for_them() -> None:
+    text = units.render_worker(provider())
+    unit, service = text.split("[Service]")
+    assert "ConditionPathExists=\nConditionPathExists=!/run/providerd/%i.backoff\n" in unit
+    assert f'Environment="PROVIDERD_WORKER_PORT={PRIVATE_WORKER_PORT}"' in service
+    for decided in (provider(network="host"), provider(gpu_devices="auto")):
+        assert "ConditionPathExists" not in units.render_worker(decided)
+    assert "PROVIDERD_WORKER_PORT" not in units.render_worker(provider(network="host"))
+
+
+def test_the_backoff_condition_names_the_front_backoff_file(runtime: Path) -> None:
+    from agent import paths
+
+    assert str(paths.backoff_file("x")) == f"{runtime}/x.backoff"
+    assert units.BACKOFF_FILE.replace("%i", "x") == str(paths.RUNTIME_DIR / "x.backoff")
+
+
+def test_the_template_keeps_the_front_only_condition_for_the_rest() -> None:
+    template = (Path(__file__).parents[2] / "units" / "provider-worker@.service").read_text()
+    assert "ConditionPathExists=/run/providerd/%i/worker.env" in template
+
+
+# ---------------------------------------------------------------- joining the start
+
+
+def worker(fake: FakeSystemd, with_front: bool = True, **behaviour: object) -> SystemdWorker:
+    fake.unit(UNIT).behaviour = Behaviour(**behaviour)  # type: ignore[arg-type]
+    return SystemdWorker(fake, "demo", start_timeout_s=5, with_front=with_front)
+
+
+def test_the_front_joins_a_start_still_under_way_without_a_second_start() -> None:
+    fake = FakeSystemd()
+    w = worker(fake, delay_s=0.2)
+
+    async def go() -> None:
+        fake.start_with_front(UNIT)
+        await asyncio.sleep(0.05)
+        await w.start({"PROVIDERD_WORKER_PORT": "8000"}, None)
+
+    asyncio.run(go())
+    assert fake.unit(UNIT).active == "active" and fake.unit(UNIT).starts == 1
+
+
+def test_the_front_finds_a_worker_already_ready() -> None:
+    fake = FakeSystemd()
+    w = worker(fake)
+
+    async def go() -> None:
+        await fake.start_with_front(UNIT)
+        await w.start({}, None)
+
+    asyncio.run(go())
+    assert fake.unit(UNIT).active == "active" and fake.unit(UNIT).starts == 1
+
+
+def test_a_start_that_failed_before_the_front_asked_is_reported_not_repeated() -> None:
+    fake = FakeSystemd()
+    w = worker(fake, result="exit-code", status=3)
+
+    async def go() -> None:
+        await fake.start_with_front(UNIT)
+        await w.start({}, None)
+
+    with pytest.raises(StartFailed, match="status 3"):
+        asyncio.run(go())
+    assert fake.unit(UNIT).starts == 1
+
+
+def test_after_the_first_start_a_failed_worker_is_started_again() -> None:
+    fake = FakeSystemd()
+    w = worker(fake, result="exit-code", status=3)
+
+    async def go() -> None:
+        await fake.start_with_front(UNIT)
+        with pytest.raises(StartFailed):
+            await w.start({}, None)
+        fake.unit(UNIT).behaviour = Behaviour()  # fixed meanwhile; the backoff ran out
+        await w.start({}, None)
+
+    asyncio.run(go())
+    assert fake.unit(UNIT).starts == 2 and fake.unit(UNIT).active == "active"
+
+
+def test_without_the_activation_start_a_failed_unit_is_started() -> None:
+    fake = FakeSystemd()
+    fake.unit(UNIT).active = "failed"  # from an earlier activation
+    w = worker(fake, with_front=False)
+    asyncio.run(w.start({}, None))
+    assert fake.unit(UNIT).starts == 1 and fake.unit(UNIT).active == "active"
+
+
+# ---------------------------------------------------------------- the backoff file
+
+
+def test_saved_backoff_round_trips_and_ignores_garbage(tmp_path: Path) -> None:
+    path = tmp_path / "demo.backoff"
+    assert saved_backoff.load(path) is None
+    saved = saved_backoff.Saved(3, 1234.5, "worker failed to start with status 3")
+    saved_backoff.save(path, saved)
+    assert saved_backoff.load(path) == saved
+    for garbage in (
+        "",
+        "{",
+        '{"failures": "x"}',
+        "[]",
+        '{"failures": 0, "until": 1, "reason": ""}',
+    ):
+        path.write_text(garbage)
+        assert saved_backoff.load(path) is None, garbage
+    saved_backoff.clear(path)
+    saved_backoff.clear(path)  # gone already: fine
+    assert not path.exists()
+
+
+def test_a_failed_start_is_saved_and_a_good_one_clears_it(runtime: Path) -> None:
+    path = runtime / "demo.backoff"
+
+    async def go() -> tuple[saved_backoff.Saved | None, bool]:
+        sock = listener()
+        w = InProcessWorker(fail="worker failed to start with status 3")
+        front = Front(provider(), w, [sock], exit_on_idle=False, worker_port=0, backoff_file=path)
+        front.start_accepting()
+        await get(sock.getsockname()[1])
+        saved = saved_backoff.load(path)
+        w.fail = None
+        front.backoff_until = 0
+        front._dispatch(front_event("BACKOFF_OVER"))
+        await get(sock.getsockname()[1])
+        cleared = not path.exists()
+        await shutdown(front, w)
+        return saved, cleared
+
+    saved, cleared = asyncio.run(go())
+    assert saved is not None and saved.failures == 1 and "status 3" in saved.reason
+    assert saved.until > time.monotonic()
+    assert cleared
+
+
+def front_event(name: str) -> object:
+    from agent.state import Event
+
+    return Event[name]
+
+
+def test_a_new_front_goes_on_with_the_saved_backoff_then_starts_once(runtime: Path) -> None:
+    path = runtime / "demo.backoff"
+    saved_backoff.save(path, saved_backoff.Saved(2, time.monotonic() + 0.3, "status 3"))
+
+    async def go() -> tuple[bytes, int, bytes, int, bool]:
+        sock = listener()
+        port = sock.getsockname()[1]
+        w = InProcessWorker()
+        front = Front(provider(), w, [sock], exit_on_idle=False, worker_port=0, backoff_file=path)
+        saved = saved_backoff.load(path)
+        assert saved is not None
+        front.restore_backoff(saved)
+        front.start_accepting()
+        front.warm("activation")
+        refused, starts_then = await get(port), w.starts
+        while front.state == State.BACKOFF:
+            await asyncio.sleep(0.02)
+        served = await get(port)
+        gone = not path.exists()
+        failures = front.backoff.failures
+        await shutdown(front, w)
+        return refused, starts_then, served, failures, gone
+
+    refused, starts_then, served, failures, gone = asyncio.run(go())
+    assert refused.startswith(b"HTTP/1.1 503") and b"status 3" in refused, refused
+    assert starts_then == 0
+    assert served.startswith(b"HTTP/1.1 200"), served
+    assert failures == 0 and gone
+
+
+def test_a_saved_backoff_that_ran_out_keeps_its_count_and_lets_the_start_go(
+    runtime: Path,
+) -> None:
+    async def go() -> tuple[State, int]:
+        with listener() as sock:
+            front = Front(provider(), InProcessWorker(), [sock], exit_on_idle=False)
+            front.restore_backoff(saved_backoff.Saved(4, time.monotonic() - 1, "status 3"))
+            return front.state, front.backoff.failures
+
+    assert asyncio.run(go()) == (State.IDLE, 4)
