@@ -169,6 +169,12 @@ def main() -> int:
     ap.add_argument("--load", type=float, default=1.0, help="the model's own load time, s")
     ap.add_argument("--keep", action="store_true", help="keep the container tree afterwards")
     ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument(
+        "--worker-dropin",
+        default="",
+        help="text of an extra drop-in for the worker unit, to measure what a directive costs "
+        "(e.g. '[Service]\\nProtectKernelTunables=no')",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench_cold_systemd: needs root (systemd-nspawn)", file=sys.stderr)
@@ -181,6 +187,10 @@ def main() -> int:
     with installed(deb, base_tarball(), name, prepare, keep=args.keep) as ct:
         ct.write(f"/etc/providerd/providers/{SLUG}.toml", manifest(args.load))
         ct.sh("providerctl reload")
+        if args.worker_dropin:
+            text = args.worker_dropin.replace("\\n", "\n") + "\n"
+            ct.write(f"/etc/systemd/system/provider-worker@{SLUG}.service.d/90-bench.conf", text)
+            ct.sh("systemctl daemon-reload")
         ct.sh(f"systemctl start provider@{SLUG}.socket")
         # One warm-up activation (page cache, bytecode), not counted.
         ct.sh(f"python3 {LIB}/client.py 1 {PORT} {SLUG} {LIB}/model.py {args.load}", timeout=120)
@@ -192,9 +202,10 @@ def main() -> int:
         rounds = [json.loads(line) for line in r.out.splitlines() if line.startswith("{")]
         journal = breakdown(ct, since)
         version = ct.sh("systemctl --version | head -n 1", check=False).out.strip()
+    extra = f", worker drop-in {args.worker_dropin!r}" if args.worker_dropin else ""
     out = [
         f"Cold start under systemd ({version}), container tier, model load {args.load:g} s, "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}{extra}",
         f"{'round':>5} {'direct ms':>10} {'cold ms':>9} {'added ms':>9}",
     ]
     added = []

@@ -3,7 +3,7 @@
 Shared by `bench/soak.py` (`make soak`, 1,000 cycles) and the container tier's
 `test_7_soak.py` (100 cycles). One cycle: a request to the provider's socket (which
 activates the front and its worker), its answer, then `providerctl stop` and a wait until
-both units are inactive. Before and after: PID 1's and journald's open file descriptors,
+both units are inactive; a cycle lasts at least PACE_S. Before and after: PID 1's and journald's open file descriptors,
 PID 1's resident memory; after: processes and units of the provider left behind.
 """
 
@@ -35,7 +35,7 @@ while True:
 # Runs inside the container; prints one JSON object.
 CYCLES = """\
 import json, socket, subprocess, sys, time
-cycles, port, slug = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+cycles, port, slug, pace = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
 units = [f"provider@{slug}.service", f"provider-worker@{slug}.service"]
 
 def request():
@@ -45,7 +45,9 @@ def request():
             data = b""
             while chunk := c.recv(65536):
                 data += chunk
-        return data.split(b"\\r\\n", 1)[0].decode(errors="replace")
+        head, _, body = data.partition(b"\\r\\n\\r\\n")
+        status = head.split(b"\\r\\n", 1)[0].decode(errors="replace")
+        return status if status.endswith(" 200 OK") else f"{status} {body[:300]!r}"
     except OSError as e:
         return repr(e)
 
@@ -68,12 +70,17 @@ for i in range(cycles):
             break
         time.sleep(0.01)
     took.append(time.monotonic() - t0)
+    time.sleep(max(0.0, t0 + pace - time.monotonic()))
 took.sort()
 print(json.dumps({
     "cycles": cycles, "failed": failed, "seconds": round(time.monotonic() - t_all, 1),
     "cycle_p50_s": round(took[len(took) // 2], 3), "cycle_max_s": round(took[-1], 3),
 }))
 """
+
+# The front's unit allows 120 starts a minute (StartLimitBurst=): a cycle takes at least
+# this long, so that the soak measures activations at the highest legitimate rate.
+PACE_S = 0.55
 
 PROBE = r"""
 fds() { ls "/proc/$1/fd" | wc -l; }
@@ -94,6 +101,7 @@ class Soak:
     after: dict[str, int]
     leftover_processes: list[str]
     leftover_units: list[str]
+    journal: list[str]  # the provider's error lines, when something failed
 
     def lines(self) -> list[str]:
         b, a = self.before, self.after
@@ -105,6 +113,7 @@ class Soak:
             + "".join(f"\n  {p}" for p in self.leftover_processes),
             f"leftover units: {len(self.leftover_units)}"
             + "".join(f"\n  {u}" for u in self.leftover_units),
+            *(["journal:", *(f"  {line}" for line in self.journal)] if self.journal else []),
             f"PID 1 fds: {b['pid1_fds']} → {a['pid1_fds']}",
             f"journald fds: {b['journald_fds']} → {a['journald_fds']}",
             f"PID 1 memory (VmRSS): {b['pid1_rss_kb'] / 1024:.1f} MiB → "
@@ -148,9 +157,10 @@ def remove(ct: Container) -> None:
 
 def run(ct: Container, cycles: int) -> Soak:
     install(ct)
-    ct.sh(f"python3 {LIB}/cycles.py 1 {PORT} {SLUG}", timeout=120)  # warm-up, not counted
+    ct.sh(f"python3 {LIB}/cycles.py 1 {PORT} {SLUG} {PACE_S}", timeout=120)  # warm-up
     before = _probe(ct)
-    out = ct.sh(f"python3 {LIB}/cycles.py {cycles} {PORT} {SLUG}", timeout=60 + cycles * 5).out
+    cmd = f"python3 {LIB}/cycles.py {cycles} {PORT} {SLUG} {PACE_S}"
+    out = ct.sh(cmd, timeout=60 + cycles * 5).out
     result = json.loads(out.strip().splitlines()[-1])
     after = _probe(ct)
     procs = ct.sh(
@@ -162,6 +172,13 @@ def run(ct: Container, cycles: int) -> Soak:
         " | awk '$3 != \"inactive\"'",
         check=False,
     ).out.split("\n")
+    journal = []
+    if result["failed"]:
+        journal = ct.sh(
+            f"journalctl -q --no-pager -o short-monotonic -u provider@{SLUG}.service"
+            f" -u provider-worker@{SLUG}.service | grep -iE 'fail|error|refus' | head -n 30",
+            check=False,
+        ).out.splitlines()
     return Soak(
         cycles=result["cycles"],
         failed=result["failed"],
@@ -172,4 +189,5 @@ def run(ct: Container, cycles: int) -> Soak:
         after=after,
         leftover_processes=[p for p in procs if p.strip()],
         leftover_units=[u for u in units if u.strip()],
+        journal=journal,
     )
