@@ -182,7 +182,8 @@ KEYS: tuple[Key, ...] = (
         "int",
         "integer",
         "0",
-        "The worker's private TCP port ({port}); 0 lets the front choose a free one at each start.",
+        "The worker's private TCP port ({port}); 0: 8000 inside the provider's private network, "
+        'or with network = "host" a free one the front chooses at each start.',
         low=0,
         high=65535,
     ),
