@@ -30,6 +30,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cycles", type=int, default=1000)
     ap.add_argument("--deb", default=str(REPO / "dist" / "providerd_0.1.0_all.deb"))
+    ap.add_argument(
+        "--pace",
+        type=float,
+        default=soak.PACE_S,
+        help="the shortest cycle, s (default %(default)s)",
+    )
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -40,7 +46,7 @@ def main() -> int:
         print(f"soak: {deb} does not exist; run `make deb`", file=sys.stderr)
         return 2
     with installed(deb, base_tarball(), f"providerd-soak-{os.getpid()}") as ct:
-        result = soak.run(ct, args.cycles)
+        result = soak.run(ct, args.cycles, args.pace)
         version = ct.sh("systemctl --version | head -n 1", check=False).out.strip()
     head = f"Soak under {version}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     text = "\n".join([head, *result.lines()]) + "\n"

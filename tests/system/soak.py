@@ -155,11 +155,11 @@ def remove(ct: Container) -> None:
     ct.sh(f"systemctl stop provider@{SLUG}.socket", check=False)
 
 
-def run(ct: Container, cycles: int) -> Soak:
+def run(ct: Container, cycles: int, pace_s: float = PACE_S) -> Soak:
     install(ct)
     ct.sh(f"python3 {LIB}/cycles.py 1 {PORT} {SLUG} {PACE_S}", timeout=120)  # warm-up
     before = _probe(ct)
-    cmd = f"python3 {LIB}/cycles.py {cycles} {PORT} {SLUG} {PACE_S}"
+    cmd = f"python3 {LIB}/cycles.py {cycles} {PORT} {SLUG} {pace_s}"
     out = ct.sh(cmd, timeout=60 + cycles * 5).out
     result = json.loads(out.strip().splitlines()[-1])
     after = _probe(ct)
