@@ -470,7 +470,10 @@ class Front:
         try:
             if self.backoff.failures:
                 saved = saved_backoff.Saved(
-                    self.backoff.failures, self.backoff_until, self.failure or "start failed"
+                    self.backoff.failures,
+                    self.backoff_until,
+                    self.failure or "start failed",
+                    saved_backoff.manifest_key(self.provider),
                 )
                 saved_backoff.save(self.backoff_file, saved)
             else:
@@ -690,9 +693,9 @@ async def run_systemd(slug: str) -> int:
     bus = DbusSystemd()
     await bus.connect()
     backoff_file = paths.backoff_file(slug)
-    saved = saved_backoff.load(backoff_file)
-    # With a saved backoff the worker's condition kept systemd from starting it.
-    with_front = provider.starts_with_front and saved is None and not backoff_file.exists()
+    # While that file exists the worker's condition kept systemd from starting it.
+    with_front = provider.starts_with_front and not backoff_file.exists()
+    saved = None if with_front else saved_backoff.load(backoff_file, provider)
     worker = SystemdWorker(bus, slug, provider.start_timeout_s, with_front=with_front)
     front = Front(
         provider,

@@ -7,6 +7,8 @@ the front is gone between activations, and its backoff with it. So the front wri
 `ConditionPathExists=!` on it: no start with the next activation while it exists), and
 removes it before it starts the worker itself, and when a start succeeds. The next front
 reads it and goes on with the same backoff: refusing until it runs out, then one start.
+A backoff belongs to the manifest it failed with: after an edit (and `providerctl
+reload`) the next front starts afresh.
 
 The time is CLOCK_MONOTONIC, which every namespace shares and which, like `/run`, does
 not outlive a boot.
@@ -15,10 +17,13 @@ not outlive a boot.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from agent.model import Provider
 
 
 @dataclass(frozen=True)
@@ -26,20 +31,36 @@ class Saved:
     failures: int  # consecutive failed starts
     until: float  # time.monotonic() when the backoff runs out
     reason: str  # what the last failure was, for the 503s
+    manifest: str  # manifest_key() of the provider that failed
 
 
-def load(path: Path) -> Saved | None:
-    """The saved backoff, or None (none saved, or unreadable: then it is not honoured)."""
+def manifest_key(provider: Provider) -> str:
+    """A fingerprint of the validated manifest (every field of `Provider`)."""
+    return hashlib.sha256(repr(provider).encode()).hexdigest()[:16]
+
+
+def load(path: Path, provider: Provider) -> Saved | None:
+    """The saved backoff of this manifest, or None (none saved, unreadable, or saved for a
+    manifest that has changed since: then it is not honoured)."""
     try:
         data = json.loads(path.read_text())
-        saved = Saved(int(data["failures"]), float(data["until"]), str(data["reason"]))
+        saved = Saved(
+            int(data["failures"]), float(data["until"]), str(data["reason"]), str(data["manifest"])
+        )
     except (OSError, ValueError, TypeError, KeyError):
         return None
-    return saved if saved.failures > 0 else None
+    if saved.failures <= 0 or saved.manifest != manifest_key(provider):
+        return None
+    return saved
 
 
 def save(path: Path, saved: Saved) -> None:
-    data = {"failures": saved.failures, "until": saved.until, "reason": saved.reason}
+    data = {
+        "failures": saved.failures,
+        "until": saved.until,
+        "reason": saved.reason,
+        "manifest": saved.manifest,
+    }
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data) + "\n")
     os.replace(tmp, path)

@@ -144,12 +144,16 @@ def test_without_the_activation_start_a_failed_unit_is_started() -> None:
 # ---------------------------------------------------------------- the backoff file
 
 
+def saved(failures: int, until: float, reason: str = "status 3") -> saved_backoff.Saved:
+    return saved_backoff.Saved(failures, until, reason, saved_backoff.manifest_key(provider()))
+
+
 def test_saved_backoff_round_trips_and_ignores_garbage(tmp_path: Path) -> None:
     path = tmp_path / "demo.backoff"
-    assert saved_backoff.load(path) is None
-    saved = saved_backoff.Saved(3, 1234.5, "worker failed to start with status 3")
-    saved_backoff.save(path, saved)
-    assert saved_backoff.load(path) == saved
+    assert saved_backoff.load(path, provider()) is None
+    one = saved(3, 1234.5, "worker failed to start with status 3")
+    saved_backoff.save(path, one)
+    assert saved_backoff.load(path, provider()) == one
     for garbage in (
         "",
         "{",
@@ -158,10 +162,17 @@ def test_saved_backoff_round_trips_and_ignores_garbage(tmp_path: Path) -> None:
         '{"failures": 0, "until": 1, "reason": ""}',
     ):
         path.write_text(garbage)
-        assert saved_backoff.load(path) is None, garbage
+        assert saved_backoff.load(path, provider()) is None, garbage
     saved_backoff.clear(path)
     saved_backoff.clear(path)  # gone already: fine
     assert not path.exists()
+
+
+def test_a_changed_manifest_starts_afresh(tmp_path: Path) -> None:
+    path = tmp_path / "demo.backoff"
+    saved_backoff.save(path, saved(3, time.monotonic() + 60))
+    assert saved_backoff.load(path, provider()) is not None
+    assert saved_backoff.load(path, provider(command=("/opt/fixed", "{port}"))) is None
 
 
 def test_a_failed_start_is_saved_and_a_good_one_clears_it(runtime: Path) -> None:
@@ -173,7 +184,7 @@ def test_a_failed_start_is_saved_and_a_good_one_clears_it(runtime: Path) -> None
         front = Front(provider(), w, [sock], exit_on_idle=False, worker_port=0, backoff_file=path)
         front.start_accepting()
         await get(sock.getsockname()[1])
-        saved = saved_backoff.load(path)
+        saved = saved_backoff.load(path, provider())
         w.fail = None
         front.backoff_until = 0
         front._dispatch(front_event("BACKOFF_OVER"))
@@ -196,16 +207,16 @@ def front_event(name: str) -> object:
 
 def test_a_new_front_goes_on_with_the_saved_backoff_then_starts_once(runtime: Path) -> None:
     path = runtime / "demo.backoff"
-    saved_backoff.save(path, saved_backoff.Saved(2, time.monotonic() + 0.3, "status 3"))
+    saved_backoff.save(path, saved(2, time.monotonic() + 0.3))
 
     async def go() -> tuple[bytes, int, bytes, int, bool]:
         sock = listener()
         port = sock.getsockname()[1]
         w = InProcessWorker()
         front = Front(provider(), w, [sock], exit_on_idle=False, worker_port=0, backoff_file=path)
-        saved = saved_backoff.load(path)
-        assert saved is not None
-        front.restore_backoff(saved)
+        kept = saved_backoff.load(path, provider())
+        assert kept is not None
+        front.restore_backoff(kept)
         front.start_accepting()
         front.warm("activation")
         refused, starts_then = await get(port), w.starts
@@ -230,7 +241,7 @@ def test_a_saved_backoff_that_ran_out_keeps_its_count_and_lets_the_start_go(
     async def go() -> tuple[State, int]:
         with listener() as sock:
             front = Front(provider(), InProcessWorker(), [sock], exit_on_idle=False)
-            front.restore_backoff(saved_backoff.Saved(4, time.monotonic() - 1, "status 3"))
+            front.restore_backoff(saved(4, time.monotonic() - 1))
             return front.state, front.backoff.failures
 
     assert asyncio.run(go()) == (State.IDLE, 4)
