@@ -21,6 +21,31 @@ SD_PATH = "/org/freedesktop/systemd1"
 
 StateCallback = Callable[[str, str], None]  # (ActiveState, SubState)
 
+# What providerd calls, as introspection data: PID 1's own introspection of the manager and
+# of a unit is tens of kilobytes of XML, and fetching and parsing it took 10-20 ms of the
+# front's start before its first StartUnit. (Properties.Get reads any property by name.)
+MANAGER_XML = """<node><interface name="org.freedesktop.systemd1.Manager">
+<method name="Subscribe"/>
+<method name="LoadUnit"><arg type="s" direction="in"/><arg type="o" direction="out"/></method>
+<method name="StartUnit"><arg type="s" direction="in"/><arg type="s" direction="in"/>
+<arg type="o" direction="out"/></method>
+<method name="StopUnit"><arg type="s" direction="in"/><arg type="s" direction="in"/>
+<arg type="o" direction="out"/></method>
+<method name="SetUnitProperties"><arg type="s" direction="in"/><arg type="b" direction="in"/>
+<arg type="a(sv)" direction="in"/></method>
+<method name="GetUnitProcesses"><arg type="s" direction="in"/>
+<arg type="a(sus)" direction="out"/></method>
+<signal name="JobRemoved"><arg type="u"/><arg type="o"/><arg type="s"/><arg type="s"/></signal>
+</interface></node>"""
+UNIT_XML = """<node><interface name="org.freedesktop.DBus.Properties">
+<method name="Get"><arg type="s" direction="in"/><arg type="s" direction="in"/>
+<arg type="v" direction="out"/></method>
+<signal name="PropertiesChanged"><arg type="s"/><arg type="a{sv}"/><arg type="as"/></signal>
+</interface><interface name="org.freedesktop.systemd1.Unit">
+<property name="ActiveState" type="s" access="read"/>
+<property name="SubState" type="s" access="read"/>
+</interface></node>"""
+
 
 class Systemd(Protocol):
     async def start_unit(self, name: str) -> str:
@@ -53,14 +78,16 @@ class DbusSystemd:
         self._waiting: dict[str, asyncio.Future[str]] = {}
         self._finished: dict[str, str] = {}
         self._units: dict[str, Any] = {}  # name -> proxy object
+        self._unit_node: Any = None  # UNIT_XML, parsed once
 
     async def connect(self) -> None:
         from dbus_next.aio.message_bus import MessageBus
         from dbus_next.constants import BusType
+        from dbus_next.introspection import Node
 
         self._bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
-        introspection = await self._bus.introspect(SD, SD_PATH)
-        obj = self._bus.get_proxy_object(SD, SD_PATH, introspection)
+        self._unit_node = Node.parse(UNIT_XML)
+        obj = self._bus.get_proxy_object(SD, SD_PATH, Node.parse(MANAGER_XML))
         self._manager = obj.get_interface(SD + ".Manager")
         self._manager.on_job_removed(self._on_job_removed)
         await self._manager.call_subscribe()
@@ -87,8 +114,7 @@ class DbusSystemd:
         unit = self._units.get(name)
         if unit is None:
             path = await self._manager.call_load_unit(name)
-            introspection = await self._bus.introspect(SD, path)
-            unit = self._bus.get_proxy_object(SD, path, introspection)
+            unit = self._bus.get_proxy_object(SD, path, self._unit_node)
             self._units[name] = unit
         return unit
 
