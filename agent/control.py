@@ -121,12 +121,14 @@ class SystemdWorker:
             await self.systemd.set_properties(
                 self.unit, [("DeviceAllow", "a(ss)", []), ("DeviceAllow", "a(ss)", list(devices))]
             )
-        if not self._watching:
-            await self.systemd.watch(self.unit, self._state_changed)
-            self._watching = True
         if self._with_front:
             self._with_front = False
             await self._failed_with_front()
+        watching: asyncio.Future[None] | None = None
+        if not self._watching:
+            # Set up while the start runs: it only matters once the worker is ready.
+            watching = asyncio.ensure_future(self.systemd.watch(self.unit, self._state_changed))
+            self._watching = True
         try:
             result = await asyncio.wait_for(
                 self.systemd.start_unit(self.unit), self.start_timeout_s + 30
@@ -137,6 +139,13 @@ class SystemdWorker:
                 f"worker did not become ready within {self.start_timeout_s:g} s",
                 await journal_tail(self.unit),
             ) from None
+        finally:
+            if watching is not None:
+                try:
+                    await watching
+                except BaseException:
+                    self._watching = False  # the next start tries again
+                    raise
         if result == "done":
             active = await self.systemd.get(self.unit, "Unit", "ActiveState")
             if active == "active":

@@ -119,7 +119,7 @@ class DbusSystemd:
         return unit
 
     async def start_unit(self, name: str) -> str:
-        await self._unit(name)
+        # By name: PID 1 loads the unit itself, no LoadUnit round trip first.
         job = await self._manager.call_start_unit(name, "replace")
         return await self._wait_job(job)
 
@@ -135,7 +135,6 @@ class DbusSystemd:
         return variant.value
 
     async def set_properties(self, name: str, props: Sequence[tuple[str, str, Any]]) -> None:
-        await self._unit(name)
         await self._manager.call_set_unit_properties(name, True, property_values(props))
 
     async def watch(self, name: str, callback: StateCallback) -> None:

@@ -111,9 +111,13 @@ for i in range(rounds):
 """
 
 
-def manifest(load: float) -> str:
-    return textwrap.dedent(
-        f"""\
+def manifest(load: float, decided: bool) -> str:
+    # network = "host" without worker_port: the front picks a free port at each start, so
+    # it decides the start and starts the worker itself, as for a GPU provider.
+    isolation = '[isolation]\nnetwork = "host"\n' if decided else ""
+    return (
+        textwrap.dedent(
+            f"""\
         description = "cold-start bench"
         enabled = false
         [listen]
@@ -125,6 +129,8 @@ def manifest(load: float) -> str:
         start_timeout_s = 60
         idle_timeout_s = 300
         """
+        )
+        + isolation
     )
 
 
@@ -170,6 +176,12 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the container tree afterwards")
     ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument(
+        "--decided",
+        action="store_true",
+        help='a provider whose start the front decides (network = "host", a port per start: '
+        "the path a GPU provider takes, without NVML), instead of one systemd starts beside it",
+    )
+    ap.add_argument(
         "--worker-dropin",
         default="",
         help="text of an extra drop-in for the worker unit, to measure what a directive costs "
@@ -185,7 +197,7 @@ def main() -> int:
         return 2
     name = f"providerd-bench-{os.getpid()}"
     with installed(deb, base_tarball(), name, prepare, keep=args.keep) as ct:
-        ct.write(f"/etc/providerd/providers/{SLUG}.toml", manifest(args.load))
+        ct.write(f"/etc/providerd/providers/{SLUG}.toml", manifest(args.load, args.decided))
         ct.sh("providerctl reload")
         if args.worker_dropin:
             text = args.worker_dropin.replace("\\n", "\n") + "\n"
@@ -203,6 +215,8 @@ def main() -> int:
         journal = breakdown(ct, since)
         version = ct.sh("systemctl --version | head -n 1", check=False).out.strip()
     extra = f", worker drop-in {args.worker_dropin!r}" if args.worker_dropin else ""
+    if args.decided:
+        extra += ", started by the front (network = host, a port per start)"
     out = [
         f"Cold start under systemd ({version}), container tier, model load {args.load:g} s, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}{extra}",
