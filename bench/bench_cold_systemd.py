@@ -187,7 +187,14 @@ def main() -> int:
         help="text of an extra drop-in for the worker unit, to measure what a directive costs "
         "(e.g. '[Service]\\nProtectKernelTunables=no')",
     )
+    ap.add_argument(
+        "--ab",
+        action="store_true",
+        help="with --worker-dropin: alternate rounds without and with it, in one container",
+    )
     args = ap.parse_args()
+    if args.ab and not args.worker_dropin:
+        ap.error("--ab needs --worker-dropin")
     if os.geteuid() != 0:
         print("bench_cold_systemd: needs root (systemd-nspawn)", file=sys.stderr)
         return 2
@@ -199,19 +206,37 @@ def main() -> int:
     with installed(deb, base_tarball(), name, prepare, keep=args.keep) as ct:
         ct.write(f"/etc/providerd/providers/{SLUG}.toml", manifest(args.load, args.decided))
         ct.sh("providerctl reload")
-        if args.worker_dropin:
-            text = args.worker_dropin.replace("\\n", "\n") + "\n"
-            ct.write(f"/etc/systemd/system/provider-worker@{SLUG}.service.d/90-bench.conf", text)
+        dropin = f"/etc/systemd/system/provider-worker@{SLUG}.service.d/90-bench.conf"
+
+        def use_dropin(on: bool) -> None:
+            if on:
+                ct.write(dropin, args.worker_dropin.replace("\\n", "\n") + "\n")
+            else:
+                ct.sh(f"rm -f {dropin}")
             ct.sh("systemctl daemon-reload")
+
+        def client(n: int) -> list[dict[str, float]]:
+            r = ct.sh(
+                f"python3 {LIB}/client.py {n} {PORT} {SLUG} {LIB}/model.py {args.load}",
+                timeout=60 + n * (args.load + 15),
+            )
+            return [json.loads(line) for line in r.out.splitlines() if line.startswith("{")]
+
+        if args.worker_dropin and not args.ab:
+            use_dropin(True)
         ct.sh(f"systemctl start provider@{SLUG}.socket")
-        # One warm-up activation (page cache, bytecode), not counted.
-        ct.sh(f"python3 {LIB}/client.py 1 {PORT} {SLUG} {LIB}/model.py {args.load}", timeout=120)
+        client(1)  # one warm-up activation (page cache, bytecode), not counted
         since = ct.cursor()
-        r = ct.sh(
-            f"python3 {LIB}/client.py {args.rounds} {PORT} {SLUG} {LIB}/model.py {args.load}",
-            timeout=60 + args.rounds * (args.load + 15),
-        )
-        rounds = [json.loads(line) for line in r.out.splitlines() if line.startswith("{")]
+        if args.ab:
+            rounds = []
+            for i in range(args.rounds):
+                for variant in ("shipped", "drop-in"):
+                    use_dropin(variant == "drop-in")
+                    since = ct.cursor()
+                    (x,) = client(1)
+                    rounds.append({**x, "round": i + 1, "variant": variant})
+        else:
+            rounds = client(args.rounds)
         journal = breakdown(ct, since)
         version = ct.sh("systemctl --version | head -n 1", check=False).out.strip()
     extra = f", worker drop-in {args.worker_dropin!r}" if args.worker_dropin else ""
@@ -222,17 +247,21 @@ def main() -> int:
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}{extra}",
         f"{'round':>5} {'direct ms':>10} {'cold ms':>9} {'added ms':>9}",
     ]
-    added = []
+    added: dict[str, list[float]] = {}
     for x in rounds:
         a = (x["cold"] - x["direct"]) * 1000
-        added.append(a)
+        variant = str(x.get("variant", ""))
+        added.setdefault(variant, []).append(a)
         out.append(
             f"{x['round']:>5} {x['direct'] * 1000:>10.1f} {x['cold'] * 1000:>9.1f} {a:>9.1f}"
+            + (f"  {variant}" if variant else "")
         )
-    out.append(
-        f"added: median {statistics.median(added):.1f} ms, min {min(added):.1f}, "
-        f"max {max(added):.1f} (target: median <= 30 ms)"
-    )
+    for variant, values in added.items():
+        out.append(
+            f"added{' (' + variant + ')' if variant else ''}: median "
+            f"{statistics.median(values):.1f} ms, min {min(values):.1f}, "
+            f"max {max(values):.1f} (target: median <= 30 ms)"
+        )
     out.append("last round's journal (monotonic s):")
     out += [f"  {line}" for line in journal]
     text = "\n".join(out) + "\n"
