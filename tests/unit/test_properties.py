@@ -231,7 +231,10 @@ def check_faithful(p: Provider) -> None:
     env: dict[str, str] = {}
     for v in values(worker, "Environment"):
         env.update(environment(v))
-    assert env == dict(p.environment)
+    port = {"PROVIDERD_WORKER_PORT": str(p.known_worker_port)} if p.known_worker_port else {}
+    assert env == {**port, **dict(p.environment)}
+    conditions = values(worker, "ConditionPathExists")
+    assert conditions == (["", f"!{units.BACKOFF_FILE}"] if p.starts_with_front else [])
     assert [unspecify(v) for v in values(worker, "WorkingDirectory")] == (
         [p.working_directory] if p.working_directory else []
     )
