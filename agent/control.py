@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -312,8 +314,11 @@ class ProcessWorker:
         start_timeout_s: float,
         stop_timeout_s: float,
         log: Callable[[str], None],
+        credentials: Sequence[tuple[str, str]] = (),
     ) -> None:
         self.slug = slug
+        self.credentials = list(credentials)
+        self.credentials_dir: str | None = None
         self.argv = list(argv)
         self.environment = dict(environment)
         self.working_directory = working_directory
@@ -347,6 +352,13 @@ class ProcessWorker:
         }
         child_env.pop("LISTEN_FDS", None)
         child_env.pop("LISTEN_PID", None)
+        child_env.pop("CREDENTIALS_DIRECTORY", None)
+        if self.credentials:
+            try:
+                child_env["CREDENTIALS_DIRECTORY"] = self._load_credentials()
+            except StartFailed:
+                notify.close()
+                raise
         ready: asyncio.Future[None] = loop.create_future()
 
         def on_datagram() -> None:
@@ -367,6 +379,7 @@ class ProcessWorker:
             loop.remove_reader(notify.fileno())
             notify.close()
             os.close(out_r)
+            self._drop_credentials()
             raise StartFailed(f"failed to run the worker wrapper: {e}") from None
         finally:
             os.close(out_w)
@@ -382,6 +395,7 @@ class ProcessWorker:
                 return
             if exited in done:
                 await asyncio.sleep(0.05)  # let the last output lines arrive
+                self._drop_credentials()
                 raise StartFailed(
                     f"worker failed to start: {describe_status(exited.result())}", list(self.tail)
                 )
@@ -394,6 +408,33 @@ class ProcessWorker:
             notify.close()
             if not ready.done():
                 ready.cancel()
+
+    def _load_credentials(self) -> str:
+        """What LoadCredential= does, without systemd: a private copy of each file in a
+        directory only this user can read, removed when the worker is gone."""
+        self._drop_credentials()
+        directory = tempfile.mkdtemp(prefix=f"providerd-{self.slug}-credentials-")
+        self.credentials_dir = directory
+        for name, source in self.credentials:
+            try:
+                with open(source, "rb") as f:
+                    data = f.read()
+                fd = os.open(
+                    os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400
+                )
+                with os.fdopen(fd, "wb") as out:
+                    out.write(data)
+            except OSError as e:
+                self._drop_credentials()
+                raise StartFailed(
+                    f"Failed to load credential {name} from {source}: {e.strerror or e}"
+                ) from None
+        return directory
+
+    def _drop_credentials(self) -> None:
+        if self.credentials_dir is not None:
+            shutil.rmtree(self.credentials_dir, ignore_errors=True)
+            self.credentials_dir = None
 
     async def _pump_output(self, fd: int) -> None:
         loop = asyncio.get_running_loop()
@@ -412,6 +453,7 @@ class ProcessWorker:
     async def _watch(self, proc: _Child) -> None:
         status = await proc.wait()
         _kill_group(proc.pid)
+        self._drop_credentials()
         if not self._stopping:
             await asyncio.sleep(0.05)
             self._on_exit(f"worker exited: {describe_status(status)}")
@@ -425,6 +467,7 @@ class ProcessWorker:
             self.log(f"Worker did not stop within {self.stop_timeout_s:g} s, killing it")
         _kill_group(proc.pid)
         await proc.wait()
+        self._drop_credentials()
 
     async def stop(self) -> None:
         self._stopping = True

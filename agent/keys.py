@@ -35,6 +35,9 @@ KINDS = (
     "gigabytes",
     "names",
     "regexes",
+    "credentials",
+    "filemode",
+    "group",
 )
 
 SECTIONS = ("", "listen", "runtime", "limits", "gpu", "weights", "isolation", "models")
@@ -428,6 +431,38 @@ KEYS: tuple[Key, ...] = (
         "connections are not counted.",
         low=1,
         high=100_000,
+    ),
+    Key(
+        "runtime",
+        "credentials",
+        "credentials",
+        "table of strings (absolute paths)",
+        "{}",
+        'Secrets, by name: { HF_TOKEN = "/etc/providerd/credentials/hf" }. systemd reads each file '
+        "when the worker starts and gives it to the worker alone, as $CREDENTIALS_DIRECTORY/NAME; "
+        "the wrapper also sets NAME to the file's text (one trailing newline dropped) in the "
+        "model's environment. Never in Environment=, systemctl show or the generated files. The "
+        "files must exist; keep them root's, mode 0600.",
+        "LoadCredential= (worker)",
+    ),
+    Key(
+        "listen",
+        "socket_mode",
+        "filemode",
+        'string (octal, "0660")',
+        '"0660"',
+        "Access mode of unix socket addresses.",
+        "SocketMode= (socket, unix addresses only)",
+    ),
+    Key(
+        "listen",
+        "socket_group",
+        "group",
+        "string (a group name)",
+        '"providerd-clients"',
+        "Group of unix socket addresses: with the default mode its members may connect (the "
+        "router is one). The group must exist.",
+        "SocketGroup= (socket, unix addresses only)",
     ),
 )
 

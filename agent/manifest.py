@@ -159,6 +159,13 @@ def validate(data: dict[str, Any], slug: str, source: Path, host: Host) -> Provi
         problem(
             "runtime", 'one of "command" (argv) or "launch" ("package.module:function") is required'
         )
+    env_names = {name for name, _ in values.get("environment", ())}
+    for name, _ in values.get("credentials", ()):
+        if name in env_names:
+            problem(
+                "runtime.credentials",
+                f"{name} is also in runtime.environment; a secret belongs in credentials only",
+            )
     mh, mm = values.get("memory_high"), values.get("memory_max")
     if mh is not None and mm is not None and mh > mm:
         problem("limits.memory_high", "must not be larger than limits.memory_max")
@@ -472,11 +479,31 @@ def summary(p: Provider) -> str:
     return f"{p.slug}: {addresses} ({p.protocol}){state} -> {run}"
 
 
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
+
+
+def secret_warnings(p: Provider) -> list[str]:
+    """One line per environment variable whose name looks like a secret."""
+    lines = []
+    for name, _ in p.environment:
+        if any(word in name.upper() for word in SECRET_WORDS):
+            lines.append(
+                f"{p.source}: runtime.environment.{name}: warning: looks like a secret; "
+                "environment values are shown to every local user by systemctl show. Put it in a "
+                f'root-only file and name it in [runtime] credentials = {{ {name} = "/etc/providerd/'
+                f'credentials/{p.slug}-{name.lower()}" }} (the model gets the same variable)'
+            )
+    return lines
+
+
 def main_check(items: list[str], out: TextIO, err: TextIO) -> int:
     """`providerctl check [PATH...]`: every problem one line on `out`, exit 1 if any."""
     found = check_paths([Path(i) for i in items]) if items else discover()
     for problem in found.problems:
         out.write(f"{problem}\n")
+    for p in found.providers.values():
+        for line in secret_warnings(p):
+            err.write(line + "\n")
     if found.problems:
         return 1
     for p in found.providers.values():

@@ -70,6 +70,8 @@ class Provider:
     protocol: Protocol = "http"
     allow: tuple[str, ...] = ()  # client allow-list (CIDRs), empty = anyone
     max_held: int = 1024  # connections held while the worker starts; beyond: refused at once
+    socket_mode: int = 0o660  # unix socket addresses
+    socket_group: str = "providerd-clients"
 
     # [runtime]
     mode: Literal["resident"] = "resident"
@@ -80,6 +82,7 @@ class Provider:
     worker_port: int = 0  # the worker's private port; 0 = chosen by the front at each start
     ready: Ready = field(default_factory=lambda: Ready("tcp"))
     environment: tuple[tuple[str, str], ...] = ()  # ordered (name, value)
+    credentials: tuple[tuple[str, str], ...] = ()  # ordered (name, file path): LoadCredential=
     working_directory: str | None = None
     start_timeout_s: float = 900.0
     request_timeout_s: float = 300.0  # inactivity: to the first response byte, and between bytes

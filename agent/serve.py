@@ -91,6 +91,7 @@ def make_front(provider: Provider, listeners: list[socket.socket]) -> Front:
         start_timeout_s=provider.start_timeout_s,
         stop_timeout_s=provider.stop_timeout_s,
         log=lambda line: flog.info("worker: %s", line),
+        credentials=provider.credentials,
     )
     return Front(
         provider,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import ipaddress
 import json
 import re
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ INDEX = "providerd.json"
 # agent.paths.backoff_file() at its default place, as a unit specifier.
 BACKOFF_FILE = "/run/providerd/%i.backoff"
 FRONT_STOP_MARGIN_S = 30  # the front's TimeoutStopSec= is stop_timeout_s plus this
+# Hidden from every worker by TemporaryFileSystem= in units/provider-worker@.service (other
+# providers' manifests); a working directory below them is bound back in read-only.
+HIDDEN_FROM_WORKER = ("/etc/providerd", "/usr/lib/providerd")
 
 
 @dataclass(frozen=True)
@@ -169,9 +173,20 @@ def format_size(size: int) -> str:
 # -- the worker wrapper --------------------------------------------------------------------
 
 
+def worker_loopback(slug: str) -> str:
+    """A host-network worker's own loopback address, 127.A.B.C with A >= 1 (never
+    127.0.0.1, where the fronts and the router listen): the worker may use no other
+    loopback address (IPAddressDeny=localhost, IPAddressAllow= this), and its front
+    connects from it."""
+    h = hashlib.sha256(slug.encode()).digest()
+    return f"127.{1 + h[0] % 254}.{h[1]}.{1 + h[2] % 254}"
+
+
 def worker_argv(provider: Provider, python: str = PYTHON) -> list[str]:
     """The worker wrapper's command line (parsed by `agent.worker`)."""
     argv = [python, "-m", "agent.worker", "--slug", provider.slug, "--ready", str(provider.ready)]
+    for name, _ in provider.credentials:
+        argv += ["--credential", name]
     if provider.launch:
         return [*argv, "--launch", provider.launch]
     return [*argv, "--", *provider.command]
@@ -195,6 +210,9 @@ def _unit(provider: Provider, role: str) -> list[Assignment]:
 def socket_assignments(provider: Provider) -> list[Assignment]:
     out = _unit(provider, "listener")
     out += [("Socket", "ListenStream", escape_specifiers(str(a))) for a in provider.addresses]
+    if any(a.is_unix for a in provider.addresses):
+        out.append(("Socket", "SocketMode", f"{provider.socket_mode:04o}"))
+        out.append(("Socket", "SocketGroup", escape_specifiers(provider.socket_group)))
     if provider.allow:
         out.append(("Socket", "IPAddressDeny", "any"))
         out.append(("Socket", "IPAddressAllow", " ".join(provider.allow)))
@@ -235,6 +253,12 @@ def worker_assignments(provider: Provider, python: str = PYTHON) -> list[Assignm
     lines += [("Environment", environment_assignment(k, v)) for k, v in provider.environment]
     if provider.working_directory:
         lines.append(("WorkingDirectory", escape_specifiers(provider.working_directory)))
+        if _below(provider.working_directory, HIDDEN_FROM_WORKER):
+            lines.append(("BindReadOnlyPaths", escape_specifiers(provider.working_directory)))
+    lines += [
+        ("LoadCredential", f"{name}:{escape_specifiers(path)}")
+        for name, path in provider.credentials
+    ]
     lines.append(("TimeoutStartSec", _seconds(provider.start_timeout_s)))
     if provider.memory_max is not None:
         lines.append(("MemoryMax", format_size(provider.memory_max)))
@@ -249,8 +273,16 @@ def worker_assignments(provider: Provider, python: str = PYTHON) -> list[Assignm
         # Shared by every card; the card itself (/dev/nvidiaN) is allowed by the front at each start.
         lines += [("DeviceAllow", "/dev/nvidiactl rw"), ("DeviceAllow", "char-nvidia-uvm rw")]
     if provider.network == "host":
-        lines += [("PrivateNetwork", "no"), ("IPAddressDeny", ""), ("IPAddressAllow", "")]
+        # Any address but the other loopback ones (other fronts, the router): see
+        # docs/security.md for what a host-network worker gives up.
+        own = worker_loopback(provider.slug)
+        lines += [("PrivateNetwork", "no"), ("IPAddressDeny", ""), ("IPAddressDeny", "localhost")]
+        lines += [("IPAddressAllow", ""), ("IPAddressAllow", f"{own}/32")]
     return out + [("Service", k, v) for k, v in lines]
+
+
+def _below(path: str, roots: tuple[str, ...]) -> bool:
+    return any(path == r or path.startswith(r + "/") for r in roots)
 
 
 def render_socket(provider: Provider) -> str:
@@ -331,9 +363,32 @@ def render_index(providers: list[Provider], python: str = PYTHON) -> str:
     return json.dumps({"providers": entries}, indent=2, sort_keys=True) + "\n"
 
 
+ROUTER_SERVICE = "providerd-router.service"
+
+
+def render_router_allow(providers: list[Provider]) -> dict[str, str | Link]:
+    """The router may connect to loopback only (its static unit); a provider listening on
+    another address of this host adds that address to its allow-list."""
+    hosts: set[str] = set()
+    for p in providers:
+        for a in p.addresses:
+            if a.host is None:
+                continue
+            ip = ipaddress.ip_address(a.host.partition("%")[0])
+            if not (ip.is_loopback or ip.is_unspecified):
+                hosts.add(str(ip))
+    if not hosts:
+        return {}
+    head = f"{GENERATOR}: the providers' addresses the router may connect to"
+    allow = [("Service", "IPAddressAllow", " ".join(sorted(hosts)))]
+    return {
+        f"{ROUTER_SERVICE}.d/{DROPIN}": dropin_text(f"Automatically generated by {head}", allow)
+    }
+
+
 def render_all(providers: list[Provider], python: str = PYTHON) -> dict[str, str | Link]:
     """All providers' files plus the index, sorted by path."""
-    files: dict[str, str | Link] = {}
+    files: dict[str, str | Link] = {**render_router_allow(providers)}
     entries: dict[str, object] = {}
     for p in providers:
         mine = render(p, python)

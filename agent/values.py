@@ -404,6 +404,52 @@ def _conv_abspaths(value: object, key: Key, host: Host) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _conv_credentials(value: object, key: Key, host: Host) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, dict):
+        raise Invalid(
+            "expected a table of absolute paths such as "
+            f'{{ HF_TOKEN = "/etc/providerd/credentials/hf" }}, got {quote(value)}'
+        )
+    out: list[tuple[str, str]] = []
+    for name, v in value.items():
+        if not _ENV_NAME_RE.fullmatch(name) or len(name) > 128:
+            raise Invalid(
+                f"{quote(name)} is not a credential name (letters, digits and '_', not first a "
+                "digit, at most 128)"
+            )
+        if name.startswith("PROVIDERD_") or name == "CREDENTIALS_DIRECTORY":
+            raise Invalid(f"{quote(name)}: this name is set by providerd or systemd itself")
+        if not isinstance(v, str):
+            raise Invalid(f"{name}: expected the absolute path of a file, got {quote(v)}")
+        p = _abspath(v, "path")
+        if not host.exists(p):
+            raise Invalid(
+                f"{name}: {quote(p)} does not exist (credentials must be in place before the "
+                "worker starts)"
+            )
+        out.append((name, p))
+    return tuple(out)
+
+
+def _conv_filemode(value: object, key: Key, host: Host) -> int:
+    text = _text(value, 'an octal mode as a string, such as "0660"')
+    if not re.fullmatch(r"0?[0-7]{3}", text):
+        raise Invalid(f'expected an octal mode such as "0660" or "0600", got {quote(text)}')
+    return int(text, 8)
+
+
+_GROUP_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+
+
+def _conv_group(value: object, key: Key, host: Host) -> str:
+    text = _text(value, "a group name")
+    if not _GROUP_RE.fullmatch(text):
+        raise Invalid(
+            f"{quote(text)} is not a group name (letters, digits, '_', '.', '-', at most 32)"
+        )
+    return text
+
+
 def _conv_urlpaths(value: object, key: Key, host: Host) -> tuple[str, ...]:
     out = _strings(value, 'a list of HTTP paths such as ["/health"]')
     for t in out:
@@ -540,4 +586,7 @@ CONVERTERS: dict[str, Callable[[object, Key, Host], Any]] = {
     "gigabytes": _conv_gigabytes,
     "names": _conv_names,
     "regexes": _conv_regexes,
+    "credentials": _conv_credentials,
+    "filemode": _conv_filemode,
+    "group": _conv_group,
 }

@@ -73,6 +73,7 @@ _signal = __import__("_signal")
 
 USAGE = """\
 usage: python3 -m agent.worker --slug SLUG [--ready tcp|http:/PATH|notify]
+                               [--credential NAME]...
                                (--launch PACKAGE.MODULE:FUNCTION | -- ARGV...)
 """
 
@@ -98,11 +99,19 @@ class Failure(Exception):
 
 
 class Options:
-    def __init__(self, slug: str, ready: tuple[str, str], launch: str | None, argv: list[str]):
+    def __init__(
+        self,
+        slug: str,
+        ready: tuple[str, str],
+        launch: str | None,
+        argv: list[str],
+        credentials: tuple[str, ...] = (),
+    ):
         self.slug = slug
         self.ready = ready  # ("tcp", ""), ("http", "/path") or ("notify", "")
         self.launch = launch
         self.argv = argv
+        self.credentials = credentials  # names in $CREDENTIALS_DIRECTORY
 
 
 def log(line: str) -> None:
@@ -122,6 +131,7 @@ def parse_ready(spec: str) -> tuple[str, str]:
 def parse_args(args: list[str]) -> Options:
     """The command line (see USAGE) → Options; raises Failure with a usage message."""
     values: dict[str, str] = {}
+    credentials: list[str] = []
     argv: list[str] | None = None
     i = 0
     while i < len(args):
@@ -130,14 +140,19 @@ def parse_args(args: list[str]) -> Options:
             argv = args[i + 1 :]
             break
         name, eq, value = arg.partition("=")
-        if name not in ("--slug", "--ready", "--launch"):
+        if name not in ("--slug", "--ready", "--launch", "--credential"):
             raise Failure(f"unknown argument {arg!r}")
         if not eq:
             if i + 1 >= len(args):
                 raise Failure(f"{name} needs a value")
             i += 1
             value = args[i]
-        values[name] = value
+        if name == "--credential":
+            if not is_variable_name(value):
+                raise Failure(f"--credential: {value!r} is not a variable name")
+            credentials.append(value)
+        else:
+            values[name] = value
         i += 1
     slug = values.get("--slug", "")
     if not slug:
@@ -147,7 +162,50 @@ def parse_args(args: list[str]) -> Options:
         raise Failure("give either --launch PACKAGE.MODULE:FUNCTION or -- ARGV...")
     if argv is not None and not argv:
         raise Failure("the model's command after -- is empty")
-    return Options(slug, parse_ready(values.get("--ready", "tcp")), launch, argv or [])
+    ready = parse_ready(values.get("--ready", "tcp"))
+    return Options(slug, ready, launch, argv or [], tuple(credentials))
+
+
+CREDENTIAL_MAX_BYTES = 1 << 20
+_NAME_FIRST = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_")
+_NAME_REST = _NAME_FIRST | frozenset("0123456789")
+
+
+def is_variable_name(name: str) -> bool:
+    return bool(name) and name[0] in _NAME_FIRST and all(c in _NAME_REST for c in name)
+
+
+def credential_environment(names: tuple[str, ...], environ: dict[str, str]) -> dict[str, str]:
+    """Each credential as NAME=its text, for the model's environment.
+
+    systemd (LoadCredential=) or `providerctl serve` puts each credential in
+    $CREDENTIALS_DIRECTORY/NAME, readable by the worker's user alone. Models that read
+    a token from a variable (HF_TOKEN) get it there too, at exec only: it never passes
+    through a unit's Environment=. A credential that is not text stays a file only.
+    """
+    if not names:
+        return {}
+    directory = environ.get("CREDENTIALS_DIRECTORY", "")
+    if not directory:
+        raise Failure("Failed to read credentials: $CREDENTIALS_DIRECTORY is not set")
+    out: dict[str, str] = {}
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(CREDENTIAL_MAX_BYTES + 1)
+        except OSError as e:
+            raise Failure(f"Failed to read credential {name}: {e.strerror or e}") from None
+        text = data[:-1] if data.endswith(b"\n") else data
+        try:
+            value = text.decode()
+        except UnicodeDecodeError:
+            value = "\0"
+        if "\0" in value or len(data) > CREDENTIAL_MAX_BYTES:
+            log(f"Credential {name} is not text (or over 1 MiB): only {path} has it")
+            continue
+        out[name] = value
+    return out
 
 
 def resolve_launch(spec: str) -> list[str]:
@@ -584,8 +642,10 @@ def main(args: list[str] | None = None) -> int:
         values = placeholder_values(options.slug, os.environ)
         argv = options.argv if options.launch is None else resolve_launch(options.launch)
         argv = fill_argv(argv, values)
+        env = dict(os.environ)
+        env.update(credential_environment(options.credentials, env))
         wrapper = Wrapper(options, argv, values)
-        return wrapper.run(dict(os.environ))
+        return wrapper.run(env)
     except Failure as e:
         log(str(e))
         notify(f"STATUS={e}")

@@ -472,3 +472,93 @@ def test_mutated_manifests_never_raise() -> None:
         assert isinstance(result, Provider | list)
         if isinstance(result, Provider):
             assert units.render(result)
+
+
+# -- secrets: credentials, and environment names that look like one ---------------------------
+
+
+def test_credentials_are_a_table_of_existing_absolute_paths(tmp_path: Path) -> None:
+    secret = tmp_path / "hf"
+    secret.write_text("hf_abc\n")
+    path = write(
+        tmp_path / "providers",
+        "c.toml",
+        MINIMAL + f'credentials = {{ HF_TOKEN = "{secret}" }}\n',
+    )
+    p = manifest.parse_file(path)
+    assert isinstance(p, Provider), p
+    assert p.credentials == (("HF_TOKEN", str(secret)),)
+    assert p.environment == ()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('"x"', "expected a table of absolute paths"),
+        ('{ "1X" = "/srv/present/a" }', "is not a credential name"),
+        ('{ PROVIDERD_X = "/srv/present/a" }', "set by providerd or systemd"),
+        ('{ X = "relative" }', "expected an absolute path"),
+        ('{ X = "/srv/absent" }', "does not exist (credentials must be in place"),
+        ("{ X = 3 }", "expected the absolute path of a file"),
+    ],
+)
+def test_credential_problems(tmp_path: Path, value: str, message: str) -> None:
+    path = write(tmp_path / "providers", "c.toml", MINIMAL + f"credentials = {value}\n")
+    lines = problem_lines(manifest.parse_file(path, host=CASE_HOST), path)
+    assert len(lines) == 1 and lines[0].startswith("runtime.credentials: "), lines
+    assert message in lines[0], lines
+
+
+def test_a_name_in_both_environment_and_credentials_is_refused(tmp_path: Path) -> None:
+    text = (
+        MINIMAL
+        + 'environment = { HF_TOKEN = "x" }\ncredentials = { HF_TOKEN = "/srv/present/a" }\n'
+    )
+    path = write(tmp_path / "providers", "c.toml", text)
+    assert problem_lines(manifest.parse_file(path, host=CASE_HOST), path) == [
+        "runtime.credentials: HF_TOKEN is also in runtime.environment; a secret belongs in "
+        "credentials only"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("socket_mode", '"0666x"', 'expected an octal mode such as "0660"'),
+        ("socket_mode", '"1777"', 'expected an octal mode such as "0660"'),
+        ("socket_mode", "660", "expected an octal mode as a string"),
+        ("socket_group", '"bad group"', "is not a group name"),
+        ("socket_group", '"x\\nExecStartPre=/bin/sh"', "is not a group name"),
+    ],
+)
+def test_socket_mode_and_group_problems(tmp_path: Path, key: str, value: str, message: str) -> None:
+    text = (
+        f'[listen]\naddress = "/run/x.sock"\n{key} = {value}\n[runtime]\ncommand = ["/bin/true"]\n'
+    )
+    path = write(tmp_path / "providers", "s.toml", text)
+    lines = problem_lines(manifest.parse_file(path), path)
+    assert len(lines) == 1 and lines[0].startswith(f"listen.{key}: ") and message in lines[0]
+
+
+def test_socket_mode_and_group(tmp_path: Path) -> None:
+    text = '[listen]\naddress = "/run/x.sock"\nsocket_mode = "600"\nsocket_group = "ml-users"\n'
+    path = write(tmp_path / "providers", "s.toml", text + '[runtime]\ncommand = ["/bin/true"]\n')
+    p = manifest.parse_file(path)
+    assert isinstance(p, Provider), p
+    assert (p.socket_mode, p.socket_group) == (0o600, "ml-users")
+
+
+def test_check_warns_of_secret_looking_environment(tmp_path: Path) -> None:
+    env = 'environment = { HF_TOKEN = "hf_x", OPENAI_API_KEY = "k", DB_PASSWORD = "p", HF_HOME = "/h" }\n'
+    path = write(tmp_path / "providers", "w.toml", MINIMAL + env)
+    out, err = io.StringIO(), io.StringIO()
+    assert manifest.main_check([str(path)], out, err) == 0  # a warning, not a problem
+    warnings = err.getvalue().splitlines()
+    assert [w.split(": ")[1] for w in warnings] == [
+        "runtime.environment.HF_TOKEN",
+        "runtime.environment.OPENAI_API_KEY",
+        "runtime.environment.DB_PASSWORD",
+    ]
+    assert all(w.startswith(f"{path}: ") and "[runtime] credentials = {" in w for w in warnings)
+    assert "systemctl show" in warnings[0]
+    assert out.getvalue().startswith("w: ")

@@ -8,7 +8,9 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -237,7 +239,22 @@ def test_templates_carry_the_decided_settings() -> None:
     ]:
         assert entry in front
     assert not [v for s, k, v in front if k == "After" and "worker" in v], "no After= on the worker"
-    assert not [k for s, k, v in front if k in ("User", "DynamicUser")]
+    # The package's system user, allowed its own worker by polkit; never DynamicUser=,
+    # which cannot reach the bus on systemd 252.
+    assert ("Service", "User", "providerd") in front
+    assert not [k for s, k, v in front if k == "DynamicUser"]
+    assert [v for s, k, v in front if k == "InaccessiblePaths" and "/run/systemd/private" in v]
+    assert [k for s, k, v in front if k == "MemoryMax"] and [
+        k for s, k, v in front if k == "TasksMax"
+    ]
+    router = parse_unit((UNITS / "providerd-router.service").read_text())
+    for entry in [("Service", "User", "providerd"), ("Service", "PrivateUsers", "yes")]:
+        assert entry in router
+    hidden = " ".join(v for s, k, v in router if k == "InaccessiblePaths").split()
+    assert "-/run/dbus" in hidden and "-/run/systemd/private" in hidden, "the router has no bus"
+    assert [k for s, k, v in router if k == "MemoryMax"] and [
+        k for s, k, v in router if k == "TasksMax"
+    ]
     for entry in [
         ("Unit", "StopWhenUnneeded", "yes"),
         ("Unit", "BindsTo", "provider@%i.service"),
@@ -253,7 +270,71 @@ def test_templates_carry_the_decided_settings() -> None:
         ("Service", "ProcSubset", "pid"),
     ]
     assert not [e for e in breaks_cuda if e in worker]
+    # Nothing of other providers: manifests, generated drop-ins, runtime files, the bus.
+    tmpfs = " ".join(v for s, k, v in worker if k == "TemporaryFileSystem").split()
+    assert {"/etc/providerd:ro", "/usr/lib/providerd:ro"} <= set(tmpfs)
+    assert tuple(t.removesuffix(":ro") for t in tmpfs) == units.HIDDEN_FROM_WORKER
+    hidden = " ".join(v for s, k, v in worker if k == "InaccessiblePaths").split()
+    for path in ("/run/systemd/generator", "/run/providerd", "/run/dbus"):
+        assert f"-{path}" in hidden, path
     assert not [v for s, k, v in worker if k == "DeviceAllow" and "char-nvidia " in v + " "]
+
+
+def test_credentials_become_load_credential_and_wrapper_names(tmp_path: Path) -> None:
+    p = load_case(CASES / "golden" / "everything.toml", tmp_path)
+    text = worker_dropin(units.render(p), p.slug)
+    assert values(text, "Service", "LoadCredential") == [
+        "HF_TOKEN:/srv/present/hf",
+        "API_PASSWORD:/srv/present/pw",
+    ]
+    # The secret's path is in the unit, never its value; and never as Environment=.
+    assert not [e for e in values(text, "Service", "Environment") if "HF_TOKEN" in e]
+    argv = units.worker_argv(p)
+    assert argv[argv.index("--credential") : argv.index("--launch")] == [
+        "--credential",
+        "HF_TOKEN",
+        "--credential",
+        "API_PASSWORD",
+    ]
+
+
+def test_unix_sockets_get_mode_and_group(tmp_path: Path) -> None:
+    p = load_case(CASES / "golden" / "everything.toml", tmp_path)
+    text = units.render_socket(p)
+    assert values(text, "Socket", "SocketMode") == ["0600"]
+    assert values(text, "Socket", "SocketGroup") == ["model-clients"]
+    tcp_only = replace(p, addresses=p.addresses[:1])
+    assert "SocketMode" not in units.render_socket(tcp_only)
+    default = Provider(slug="u", source=Path("/x.toml"), addresses=p.addresses[2:])
+    assert values(units.render_socket(default), "Socket", "SocketMode") == ["0660"]
+    assert values(units.render_socket(default), "Socket", "SocketGroup") == ["providerd-clients"]
+
+
+def test_a_working_directory_among_the_hidden_manifests_is_bound_back() -> None:
+    base = Provider(slug="d", source=Path("/etc/providerd/providers/d/provider.toml"))
+    inside = replace(base, working_directory="/etc/providerd/providers/d")
+    assert values(units.render_worker(inside), "Service", "BindReadOnlyPaths") == [
+        "/etc/providerd/providers/d"
+    ]
+    outside = replace(base, working_directory="/opt/d")
+    assert values(units.render_worker(outside), "Service", "BindReadOnlyPaths") == []
+    lookalike = replace(base, working_directory="/etc/providerd-other")
+    assert values(units.render_worker(lookalike), "Service", "BindReadOnlyPaths") == []
+
+
+def test_worker_dropins_are_root_only(tmp_path: Path) -> None:
+    p = load_case(CASES / "golden" / "everything.toml", tmp_path / "m")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert generator.generate([p], out) == []
+    modes = {
+        str(f.relative_to(out)): stat.S_IMODE(f.lstat().st_mode)
+        for f in out.rglob("*")
+        if f.is_file() and not f.is_symlink()
+    }
+    assert modes[f"provider-worker@{p.slug}.service.d/50-manifest.conf"] == 0o600
+    assert modes[f"provider@{p.slug}.service.d/50-manifest.conf"] == 0o644
+    assert modes[f"provider@{p.slug}.socket.d/50-manifest.conf"] == 0o644
 
 
 def test_generator_script_calls_main() -> None:
