@@ -482,9 +482,28 @@ def summary(p: Provider) -> str:
 SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
 
 
-def secret_warnings(p: Provider) -> list[str]:
-    """One line per environment variable whose name looks like a secret."""
+def credential_warnings(p: Provider) -> list[str]:
+    """One line per credential file that is missing or readable by others than root."""
     lines = []
+    for name, path in p.credentials:
+        where = f"{p.source}: runtime.credentials.{name}: warning: {path}"
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            lines.append(f"{where}: {e.strerror or e}; the worker will not start without it")
+            continue
+        if st.st_mode & 0o077 or st.st_uid != 0:
+            lines.append(
+                f"{where} is mode {stat.S_IMODE(st.st_mode):04o} owned by uid {st.st_uid}; "
+                "make it root's, mode 0600 (systemd gives the worker its own copy)"
+            )
+    return lines
+
+
+def secret_warnings(p: Provider) -> list[str]:
+    """One line per environment variable whose name looks like a secret, and per
+    credential file that is missing or not root's alone."""
+    lines = credential_warnings(p)
     for name, _ in p.environment:
         if any(word in name.upper() for word in SECRET_WORDS):
             lines.append(

@@ -421,13 +421,9 @@ def _conv_credentials(value: object, key: Key, host: Host) -> tuple[tuple[str, s
             raise Invalid(f"{quote(name)}: this name is set by providerd or systemd itself")
         if not isinstance(v, str):
             raise Invalid(f"{name}: expected the absolute path of a file, got {quote(v)}")
-        p = _abspath(v, "path")
-        if not host.exists(p):
-            raise Invalid(
-                f"{name}: {quote(p)} does not exist (credentials must be in place before the "
-                "worker starts)"
-            )
-        out.append((name, p))
+        # Not checked for existence here: the front, which validates its manifest too,
+        # cannot see the credentials; `providerctl check` (root) warns instead.
+        out.append((name, _abspath(v, "path")))
     return tuple(out)
 
 

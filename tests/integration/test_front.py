@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -315,3 +316,45 @@ def test_a_stream_running_several_times_request_timeout_arrives_intact(serve: An
     status, _, body = request(port, "/stream?chunks=16&delay=0.25")  # 3.75 s
     assert status == 200
     assert body.decode().splitlines() == [f"chunk {i}" for i in range(16)]
+
+
+def test_credentials_reach_the_worker_as_a_private_file_and_its_variable(
+    serve: Any, tmp_path: Any
+) -> None:
+    """Foreground mode does what LoadCredential= does: a copy only this user can read,
+    named in $CREDENTIALS_DIRECTORY, gone with the worker; the wrapper sets the variable."""
+    secret = tmp_path / "hf"
+    secret.write_text("hf_foreground_secret\n")
+    secret.chmod(0o600)
+    port = free_port()
+    text = manifest(
+        port,
+        "--echo-env",
+        "HF_TOKEN,CREDENTIALS_DIRECTORY",
+        extra_runtime=f'credentials = {{ HF_TOKEN = "{secret}" }}',
+    )
+    served = serve(("cred", text))
+    status, _, body = request(port, "/env")
+    assert status == 200, body
+    env = json.loads(body)
+    assert env["HF_TOKEN"] == "hf_foreground_secret"
+    directory = Path(env["CREDENTIALS_DIRECTORY"])
+    assert (directory / "HF_TOKEN").read_text() == "hf_foreground_secret\n"
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE((directory / "HF_TOKEN").stat().st_mode) == 0o400
+    assert "hf_foreground_secret" not in served.log
+    served.ctl("stop", "cred")
+    deadline = time.monotonic() + 10
+    while directory.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not directory.exists(), "the copy outlived the worker"
+
+
+def test_a_missing_credential_fails_the_start_with_its_name(serve: Any, tmp_path: Any) -> None:
+    port = free_port()
+    gone = tmp_path / "gone"
+    text = manifest(port, extra_runtime=f'credentials = {{ API_KEY = "{gone}" }}')
+    serve(("nocred", text))
+    status, _, body = request(port, "/")
+    assert status == 503, body
+    assert f"Failed to load credential API_KEY from {gone}" in json.loads(body)["error"], body

@@ -4,7 +4,9 @@
 At start it can allocate memory, try to start threads and try to open a device, then
 it serves HTTP on --port. Every GET answers one JSON object: its argv, environment,
 and the outcome of those probes. `GET /alloc?mb=N` allocates N MiB more while
-serving. Standard library only; it runs as the worker's (dynamic) user.
+serving; `GET /read?path=P` tries to read file P and `GET /connect?path=P` to connect
+to unix socket P, as this worker, and answer "ok: <first bytes>" or the errno's name.
+Standard library only; it runs as the worker's (dynamic) user.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import errno
 import json
 import os
+import socket
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -52,6 +55,25 @@ def try_open(path: str) -> str:
         return errno.errorcode.get(e.errno or 0, str(e.errno))
     os.close(fd)
     return "ok"
+
+
+def try_read(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return "ok: " + f.read(200).decode(errors="replace")
+    except OSError as e:
+        return errno.errorcode.get(e.errno or 0, str(e))
+
+
+def try_connect(path: str) -> str:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        return "ok: connected"
+    except OSError as e:
+        return errno.errorcode.get(e.errno or 0, str(e))
+    finally:
+        s.close()
 
 
 def main() -> int:
@@ -95,6 +117,17 @@ def main() -> int:
 
         def do_GET(self) -> None:
             url = urlparse(self.path)
+            query = parse_qs(url.query)
+            if url.path in ("/read", "/connect"):
+                path = query.get("path", [""])[0]
+                outcome = try_read(path) if url.path == "/read" else try_connect(path)
+                body = json.dumps({"path": path, "outcome": outcome}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
             if url.path == "/alloc":
                 mb = int(parse_qs(url.query).get("mb", ["0"])[0])
                 allocate(mb)

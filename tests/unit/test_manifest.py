@@ -498,7 +498,6 @@ def test_credentials_are_a_table_of_existing_absolute_paths(tmp_path: Path) -> N
         ('{ "1X" = "/srv/present/a" }', "is not a credential name"),
         ('{ PROVIDERD_X = "/srv/present/a" }', "set by providerd or systemd"),
         ('{ X = "relative" }', "expected an absolute path"),
-        ('{ X = "/srv/absent" }', "does not exist (credentials must be in place"),
         ("{ X = 3 }", "expected the absolute path of a file"),
     ],
 )
@@ -562,3 +561,18 @@ def test_check_warns_of_secret_looking_environment(tmp_path: Path) -> None:
     assert all(w.startswith(f"{path}: ") and "[runtime] credentials = {" in w for w in warnings)
     assert "systemctl show" in warnings[0]
     assert out.getvalue().startswith("w: ")
+
+
+def test_check_warns_of_missing_or_readable_credentials(tmp_path: Path) -> None:
+    readable = tmp_path / "readable"
+    readable.write_text("x")
+    readable.chmod(0o644)
+    creds = f'credentials = {{ GONE = "{tmp_path}/gone", OPEN = "{readable}" }}\n'
+    path = write(tmp_path / "providers", "c.toml", MINIMAL + creds)
+    out, err = io.StringIO(), io.StringIO()
+    assert manifest.main_check([str(path)], out, err) == 0
+    gone, loose = err.getvalue().splitlines()
+    assert gone.startswith(f"{path}: runtime.credentials.GONE: warning: {tmp_path}/gone: No such")
+    assert "the worker will not start without it" in gone
+    assert loose.startswith(f"{path}: runtime.credentials.OPEN: warning: {readable} is mode 0644")
+    assert "make it root's, mode 0600" in loose

@@ -29,7 +29,7 @@ from cases.harness import (
 )
 
 from agent import generator, manifest, units
-from agent.model import Provider
+from agent.model import Address, Provider
 
 GOLDEN = sorted((CASES / "golden").glob("*.toml"))
 UPDATE = os.environ.get("PROVIDERD_UPDATE_GOLDEN") == "1"
@@ -320,6 +320,21 @@ def test_a_working_directory_among_the_hidden_manifests_is_bound_back() -> None:
     assert values(units.render_worker(outside), "Service", "BindReadOnlyPaths") == []
     lookalike = replace(base, working_directory="/etc/providerd-other")
     assert values(units.render_worker(lookalike), "Service", "BindReadOnlyPaths") == []
+
+
+def test_the_router_may_connect_to_the_providers_own_addresses_only() -> None:
+    def at(*hosts: str) -> Provider:
+        addresses = tuple(Address(h, 8000) for h in hosts)
+        return Provider(slug="r", source=Path("/r.toml"), addresses=addresses)
+
+    assert units.render_router_allow([at("127.0.0.1", "0.0.0.0", "::", "::1")]) == {}
+    files = units.render_router_allow([at("10.1.2.3", "127.0.0.1"), at("fe80::1%eth0", "10.1.2.3")])
+    text = files["providerd-router.service.d/50-manifest.conf"]
+    assert isinstance(text, str)
+    assert values(text, "Service", "IPAddressAllow") == ["10.1.2.3 fe80::1"]
+    router = parse_unit((UNITS / "providerd-router.service").read_text())
+    assert ("Service", "IPAddressDeny", "any") in router
+    assert ("Service", "IPAddressAllow", "localhost") in router
 
 
 def test_worker_dropins_are_root_only(tmp_path: Path) -> None:
