@@ -343,3 +343,16 @@ def test_front_and_router_stay_well_under_their_ceilings(ct: Container, two: Non
     # A ceiling stops a runaway, never this load: at least twice the measured need.
     assert front_mib * 2 <= front_max[0] and front_threads * 4 <= front_max[1]
     assert router_mib * 2 <= router_max[0] and router_threads * 4 <= router_max[1]
+
+
+def test_the_front_still_reads_why_its_worker_failed(ct: Container, provider: Provider) -> None:
+    """Group systemd-journal: the front quotes the worker's last words, read from the journal."""
+    port = 18073
+    provider.add("privfail", probe_manifest(port, "--exit", "3"))
+    r = ct.sh(f"curl -sS --max-time 60 http://127.0.0.1:{port}/", check=False)
+    assert '"error"' in r.out, r
+    ct.wait_for(
+        "journalctl -q -o cat -u provider@privfail.service | "
+        "grep -q '^  .*probe worker: exiting with status 3 as asked'",
+        timeout=20,
+    )
