@@ -29,6 +29,7 @@ from agent.listeners import Listeners
 from agent.model import Address, Provider
 from agent.proxy import Unavailable, serve_http, serve_tcp
 from agent.state import Action, Backoff, Event, State, step
+from agent.units import worker_loopback
 from agent.upstream import Upstream
 
 # A new connection counts as in flight until its first request arrives, at most this long,
@@ -147,7 +148,11 @@ class Front:
         self.generation = 0
         # The worker's port: fixed, or 0 to pick a free one at each start (foreground mode).
         self.worker_port = provider.worker_port if worker_port is None else worker_port
-        self.address = Address("127.0.0.1", self.worker_port)
+        # A host-network worker listens on its own loopback address (units.worker_loopback).
+        self.worker_host = (
+            worker_loopback(provider.slug) if provider.network == "host" else "127.0.0.1"
+        )
+        self.address = Address(self.worker_host, self.worker_port)
         self.backoff_file = backoff_file  # systemd mode: the backoff outlives this front
         self.served = 0
         self.last_used = time.time()
@@ -371,9 +376,11 @@ class Front:
         )
         try:
             port = self.worker_port or free_port()
-            self.address = Address("127.0.0.1", port)
+            self.address = Address(self.worker_host, port)
             env, devices = await self.admission.admit(self)
             env = {"PROVIDERD_WORKER_PORT": str(port), **env}
+            if self.worker_host != "127.0.0.1":
+                env["PROVIDERD_WORKER_HOST"] = self.worker_host
             if self.backoff_file is not None:
                 saved_backoff.clear(self.backoff_file)  # else the worker's condition skips it
             await asyncio.wait_for(

@@ -107,6 +107,15 @@ def error_text(e: OSError) -> str:
     return os.strerror(e.errno) if e.errno else str(e)
 
 
+def bind_loopback_source(sock: socket.socket, target: object) -> None:
+    """To a loopback address other than 127.0.0.1 (a host-network worker's own), connect
+    from that address: the worker's IP filter admits only it (agent.units.worker_loopback)."""
+    if isinstance(target, tuple) and sock.family == socket.AF_INET:
+        host = str(target[0])
+        if host.startswith("127.") and host != "127.0.0.1":
+            sock.bind((host, 0))
+
+
 async def connect(loop: asyncio.AbstractEventLoop, address: Address) -> socket.socket:
     """A non-blocking stream connection to `address` (no host: 127.0.0.1), TCP_NODELAY set.
     Raises OSError (the socket closed) if it cannot be reached."""
@@ -119,6 +128,7 @@ async def connect(loop: asyncio.AbstractEventLoop, address: Address) -> socket.s
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setblocking(False)
     try:
+        bind_loopback_source(sock, target)
         await loop.sock_connect(sock, target)
     except BaseException:
         sock.close()

@@ -250,6 +250,9 @@ def worker_assignments(provider: Provider, python: str = PYTHON) -> list[Assignm
     if provider.known_worker_port:
         port = str(provider.known_worker_port)
         lines.append(("Environment", environment_assignment("PROVIDERD_WORKER_PORT", port)))
+    if provider.network == "host":  # also when systemd starts it beside the front
+        host = worker_loopback(provider.slug)
+        lines.append(("Environment", environment_assignment("PROVIDERD_WORKER_HOST", host)))
     lines += [("Environment", environment_assignment(k, v)) for k, v in provider.environment]
     if provider.working_directory:
         lines.append(("WorkingDirectory", escape_specifiers(provider.working_directory)))

@@ -410,6 +410,8 @@ class Wrapper:
         what = f"GET {self.path}: " if self.kind == "http" else ""
         self.connected = False
         try:
+            if self.probe_host.startswith("127.") and self.probe_host != "127.0.0.1":
+                sock.bind((self.probe_host, 0))  # a host-network worker's own loopback
             sock.connect((self.probe_host, self.port))
             self.connected = True
             if self.kind == "tcp":

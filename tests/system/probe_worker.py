@@ -5,7 +5,7 @@ At start it can allocate memory, try to start threads and try to open a device, 
 it serves HTTP on --port. Every GET answers one JSON object: its argv, environment,
 and the outcome of those probes. `GET /alloc?mb=N` allocates N MiB more while
 serving; `GET /read?path=P` tries to read file P and `GET /connect?path=P` to connect
-to unix socket P, as this worker, and answer "ok: <first bytes>" or the errno's name.
+to unix socket P (or HOST:PORT over TCP), as this worker, and answer "ok: <first bytes>" or the errno's name.
 Standard library only; it runs as the worker's (dynamic) user.
 """
 
@@ -66,9 +66,16 @@ def try_read(path: str) -> str:
 
 
 def try_connect(path: str) -> str:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    """`path`: a unix socket, or HOST:PORT for TCP."""
+    tcp = not path.startswith("/")
+    s = socket.socket(socket.AF_INET if tcp else socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
     try:
-        s.connect(path)
+        if tcp:
+            host, _, port = path.rpartition(":")
+            s.connect((host, int(port)))
+        else:
+            s.connect(path)
         return "ok: connected"
     except OSError as e:
         return errno.errorcode.get(e.errno or 0, str(e))

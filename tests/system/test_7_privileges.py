@@ -356,3 +356,21 @@ def test_the_front_still_reads_why_its_worker_failed(ct: Container, provider: Pr
         "grep -q '^  .*probe worker: exiting with status 3 as asked'",
         timeout=20,
     )
+
+
+def test_a_host_network_worker_cannot_reach_the_other_fronts_on_loopback(
+    ct: Container, two: None, provider: Provider
+) -> None:
+    port = 18074
+    text = probe_manifest(port, "--host", "{host}", extra='[isolation]\nnetwork = "host"\n')
+    provider.add("privhost", text)
+    doc = report(ct, port)  # served through its front, from the worker's own loopback address
+    env = doc["env"]
+    assert isinstance(env, dict)
+    own = env["PROVIDERD_WORKER_HOST"]
+    assert own.startswith("127.") and own != "127.0.0.1", own
+    assert ct.sh(f"ss -Hltn 'sport = :{port}'").out.strip(), "the front listens on the host"
+    for target in (f"127.0.0.1:{PORT_A}", f"127.0.0.1:{PORT_B}", f"{own}:22", "127.0.0.1:22"):
+        outcome = probe(ct, port, "connect", target)
+        assert not outcome.startswith("ok"), f"the host-network worker reached {target}"
+    assert probe(ct, port, "connect", f"{own}:{port}") in ("ok: connected", "ECONNREFUSED")

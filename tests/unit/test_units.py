@@ -337,6 +337,19 @@ def test_the_router_may_connect_to_the_providers_own_addresses_only() -> None:
     assert ("Service", "IPAddressAllow", "localhost") in router
 
 
+def test_host_network_workers_get_their_own_loopback_address() -> None:
+    addresses = {units.worker_loopback(f"p{i}") for i in range(2000)}
+    assert len(addresses) > 1990  # spread over 2^24 addresses; stable per slug
+    assert units.worker_loopback("p1") == units.worker_loopback("p1")
+    for a in addresses:
+        octets = [int(o) for o in a.split(".")]
+        assert octets[0] == 127 and octets[1] >= 1 and 1 <= octets[3] <= 254, a
+    host = Provider(slug="h", source=Path("/h.toml"), network="host")
+    text = units.render_worker(host)
+    assert values(text, "Service", "IPAddressDeny") == ["", "localhost"]
+    assert values(text, "Service", "IPAddressAllow") == ["", f"{units.worker_loopback('h')}/32"]
+
+
 def test_worker_dropins_are_root_only(tmp_path: Path) -> None:
     p = load_case(CASES / "golden" / "everything.toml", tmp_path / "m")
     out = tmp_path / "out"
