@@ -109,3 +109,15 @@ def test_stopping_every_provider_is_prompt(vm: dict[str, dict[str, Any]]) -> Non
     stop = vm["stop_all"]
     assert stop["rc"] == 0
     assert stop["seconds"] < 30, f"systemctl stop took {stop['seconds']} s:\n{stop['journal']}"
+
+
+def test_a_host_network_worker_reaches_no_other_front_on_loopback(
+    vm: dict[str, dict[str, Any]],
+) -> None:
+    check = vm["hostnet"]
+    assert check["served"]["status"] == 200, check["served"]
+    own = check["own"]
+    assert own.startswith("127.") and own != "127.0.0.1", check
+    for target, response in check["reach"].items():
+        outcome = json.loads(response["body"])["outcome"]
+        assert not outcome.startswith("ok"), f"the host-network worker reached {target}: {check}"

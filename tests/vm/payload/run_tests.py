@@ -85,6 +85,8 @@ PROVIDERS = {
     "device": (19004, ["--open", DEVICE], 'memory_max = "256M"'),
     # holds 150 MiB: `providerctl status` must show it
     "memory": (19005, ["--alloc-mb", "150"], 'memory_max = "512M"'),
+    # the host network: it must not reach the other fronts on loopback
+    "hostnet": (19006, ["--host", "{host}"], '[isolation]\nnetwork = "host"'),
 }
 
 
@@ -371,6 +373,21 @@ def main() -> int:
         ],
         status_json=sh("providerctl status memory --json"),
         status_text=sh("providerctl status memory"),
+    )
+
+    # --- a host-network worker: its own loopback address, no other -------------------
+    port = PROVIDERS["hostnet"][0]
+    served = get(f"http://127.0.0.1:{port}/")
+    own = ""
+    if served.get("status") == 200:
+        own = json.loads(served["body"])["env"].get("PROVIDERD_WORKER_HOST", "")
+    targets = [f"127.0.0.1:{PROVIDERS['memory'][0]}", f"127.0.0.1:{PROVIDERS['tasks'][0]}"]
+    emit(
+        "hostnet",
+        served=served,
+        own=own,
+        reach={t: get(f"http://127.0.0.1:{port}/connect?path={t}") for t in targets},
+        worker=unit_props("provider-worker@hostnet.service", "IPAddressDeny", "IPAddressAllow"),
     )
 
     # --- GPU providers: placement, device rules, retirement, budget, idle release ---
