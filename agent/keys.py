@@ -393,7 +393,8 @@ KEYS: tuple[Key, ...] = (
         "string",
         '"private"',
         '"private": front and worker share a private network namespace, the worker is '
-        'reachable only by its front; "host": the worker uses the host network.',
+        'reachable only by its front; "host": the worker uses the host network, listening on '
+        "its own loopback address ({host}) and denied every other loopback address.",
         "PrivateNetwork= (front and worker)",
         choices=("private", "host"),
     ),
