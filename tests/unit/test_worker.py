@@ -255,3 +255,28 @@ def test_wrapper_imports_nothing_heavy() -> None:
     assert "agent.worker" in out
     for heavy in ("enum", "asyncio", "typing", "dataclasses", "socket", "signal", "agent.model"):
         assert heavy not in out, heavy
+
+
+def test_credentials_on_the_command_line() -> None:
+    o = worker.parse_args(["--slug", "s", "--credential", "HF_TOKEN", "--credential=B", "--", "m"])
+    assert o.credentials == ("HF_TOKEN", "B") and o.argv == ["m"]
+    with pytest.raises(Failure, match="not a variable name"):
+        worker.parse_args(["--slug", "s", "--credential", "1X", "--", "m"])
+
+
+def test_credentials_become_the_models_variables(tmp_path: Path) -> None:
+    (tmp_path / "TOKEN").write_bytes(b"hf_abc\n")
+    (tmp_path / "TWO_LINES").write_bytes(b"a\nb\n\n")
+    (tmp_path / "BINARY").write_bytes(b"\xff\x00key")
+    env = {"CREDENTIALS_DIRECTORY": str(tmp_path)}
+    got = worker.credential_environment(("TOKEN", "TWO_LINES", "BINARY"), env)
+    # One trailing newline is dropped; a credential that is not text stays a file only.
+    assert got == {"TOKEN": "hf_abc", "TWO_LINES": "a\nb\n"}
+    assert worker.credential_environment((), {}) == {}
+
+
+def test_a_missing_credential_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(Failure, match=r"^Failed to read credential GONE: No such file"):
+        worker.credential_environment(("GONE",), {"CREDENTIALS_DIRECTORY": str(tmp_path)})
+    with pytest.raises(Failure, match=r"CREDENTIALS_DIRECTORY is not set"):
+        worker.credential_environment(("X",), {})
