@@ -65,9 +65,7 @@ def skipped_lines(problems: list[Problem]) -> list[str]:
     return lines
 
 
-def write_atomic(
-    path: Path, content: str | units.Link, make_parent: bool = True, mode: int = 0o644
-) -> None:
+def write_atomic(path: Path, content: str | units.Link, make_parent: bool = True) -> None:
     """Write `content` (text or a link) at `path` through a temporary name and a rename."""
     if make_parent:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,9 +76,8 @@ def write_atomic(
                 os.unlink(tmp)
             os.symlink(content.target, tmp)
         else:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             try:
-                os.fchmod(fd, mode)  # whatever the umask
                 data = content.encode()
                 while data:
                     data = data[os.write(fd, data) :]
@@ -103,7 +100,7 @@ def generate(providers: list[Provider], out: Path) -> list[str]:
             if target.parent not in made:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 made.add(target.parent)
-            write_atomic(target, content, make_parent=False, mode=units.file_mode(path))
+            write_atomic(target, content, make_parent=False)
         except OSError as e:
             failures.append(f"Failed to write {target}: {e.strerror or e}")
     return failures

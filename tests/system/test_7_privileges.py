@@ -208,10 +208,6 @@ def test_a_worker_gets_its_credential_and_nothing_of_another_provider(
     ):
         out = ct.sh(cmd, check=False).out
         assert out and SECRET_B not in out and SECRET_A not in out, cmd
-    modes = ct.sh(
-        f"stat -c '%a %U' /run/systemd/generator/provider-worker@{B}.service.d/50-manifest.conf"
-    ).out
-    assert modes.strip() == "600 root", modes
 
 
 def test_the_router_runs_as_providerd_and_reaches_no_bus(ct: Container, two: None) -> None:

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import stat
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -348,21 +347,6 @@ def test_host_network_workers_get_their_own_loopback_address() -> None:
     text = units.render_worker(host)
     assert values(text, "Service", "IPAddressDeny") == ["", "localhost"]
     assert values(text, "Service", "IPAddressAllow") == ["", f"{units.worker_loopback('h')}/32"]
-
-
-def test_worker_dropins_are_root_only(tmp_path: Path) -> None:
-    p = load_case(CASES / "golden" / "everything.toml", tmp_path / "m")
-    out = tmp_path / "out"
-    out.mkdir()
-    assert generator.generate([p], out) == []
-    modes = {
-        str(f.relative_to(out)): stat.S_IMODE(f.lstat().st_mode)
-        for f in out.rglob("*")
-        if f.is_file() and not f.is_symlink()
-    }
-    assert modes[f"provider-worker@{p.slug}.service.d/50-manifest.conf"] == 0o600
-    assert modes[f"provider@{p.slug}.service.d/50-manifest.conf"] == 0o644
-    assert modes[f"provider@{p.slug}.socket.d/50-manifest.conf"] == 0o644
 
 
 def test_generator_script_calls_main() -> None:
