@@ -500,6 +500,42 @@ def credential_warnings(p: Provider) -> list[str]:
     return lines
 
 
+FRONT_USER = "providerd"  # the fronts and the router run as this user (the package makes it)
+
+
+def _can_read(path: Path, uid: int, gids: set[int], need: int) -> bool:
+    st = os.stat(path)
+    if st.st_uid == uid:
+        return bool(st.st_mode & (need << 6))
+    if st.st_gid in gids:
+        return bool(st.st_mode & (need << 3))
+    return bool(st.st_mode & need)
+
+
+def front_read_warnings(p: Provider) -> list[str]:
+    """A line when the user the front runs as cannot read this manifest (where it exists)."""
+    import grp
+    import pwd
+
+    try:
+        user = pwd.getpwnam(FRONT_USER)
+    except KeyError:
+        return []
+    gids = {user.pw_gid} | {g.gr_gid for g in grp.getgrall() if FRONT_USER in g.gr_mem}
+    try:
+        ok = _can_read(p.source, user.pw_uid, gids, 4) and all(
+            _can_read(d, user.pw_uid, gids, 1) for d in p.source.parents
+        )
+    except OSError:
+        return []
+    if ok:
+        return []
+    return [
+        f"{p.source}: warning: the user {FRONT_USER} cannot read this manifest, so the "
+        f"provider's front cannot start; make it 0644, or 0640 with group {FRONT_USER}"
+    ]
+
+
 def secret_warnings(p: Provider) -> list[str]:
     """One line per environment variable whose name looks like a secret, and per
     credential file that is missing or not root's alone."""
@@ -521,7 +557,7 @@ def main_check(items: list[str], out: TextIO, err: TextIO) -> int:
     for problem in found.problems:
         out.write(f"{problem}\n")
     for p in found.providers.values():
-        for line in secret_warnings(p):
+        for line in front_read_warnings(p) + secret_warnings(p):
             err.write(line + "\n")
     if found.problems:
         return 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -576,3 +578,28 @@ def test_check_warns_of_missing_or_readable_credentials(tmp_path: Path) -> None:
     assert "the worker will not start without it" in gone
     assert loose.startswith(f"{path}: runtime.credentials.OPEN: warning: {readable} is mode 0644")
     assert "make it root's, mode 0600" in loose
+
+
+def test_check_warns_when_the_front_user_cannot_read_a_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pwd
+
+    other = pwd.struct_passwd(("providerd", "x", 54321, 54321, "", "/nonexistent", "/bin/false"))
+    monkeypatch.setattr(pwd, "getpwnam", lambda name: other)
+    # pytest's tmp_path sits below 0700 directories: use one others may search.
+    base = Path(tempfile.mkdtemp(dir="/var/tmp"))
+    try:
+        base.chmod(0o755)
+        path = write(base / "providers", "r.toml", MINIMAL)
+        out, err = io.StringIO(), io.StringIO()
+        assert manifest.main_check([str(path)], out, err) == 0
+        assert err.getvalue() == ""
+        path.chmod(0o600)
+        assert manifest.main_check([str(path)], out, err) == 0
+        assert err.getvalue() == (
+            f"{path}: warning: the user providerd cannot read this manifest, so the provider's "
+            "front cannot start; make it 0644, or 0640 with group providerd\n"
+        )
+    finally:
+        shutil.rmtree(base)
