@@ -262,9 +262,19 @@ def _other_losses(p: Provider, losses: list[Loss]) -> None:
         losses.append(
             Loss(
                 "isolation.network",
-                'the host network keeps the worker on this host\'s loopback ("{host}" is '
-                "127.0.0.1); as a hostNetwork pod it listens on the node's addresses, reachable "
-                "by anything that reaches the node, and no NetworkPolicy applies",
+                'the host network keeps the worker on its own loopback address ("{host}"), '
+                "denied every other; as a hostNetwork pod it listens on the node's addresses, "
+                "reachable by anything that reaches the node, and no NetworkPolicy applies",
+                weakens=True,
+            )
+        )
+    if p.credentials:
+        names = ", ".join(name for name, _ in p.credentials)
+        losses.append(
+            Loss(
+                "runtime.credentials",
+                f"the credentials ({names}) are files on this host; give the pod a Secret "
+                "with them (with --lossy the provider is exported without them)",
                 weakens=True,
             )
         )

@@ -203,6 +203,7 @@ COMMAND = 'command = ["/srv/serve", "--port", "{port}", "--host", "{host}"]'
         ("runtime.ready", READY, 'ready = "notify"', ""),
         ("runtime.launch", COMMAND, 'launch = "m.launch:command"', ""),
         ("models.patterns", "", "", ""),
+        ("runtime.credentials", "", "", '[runtime.credentials]\nHF_TOKEN = "/srv/present/hf"\n'),
     ],
 )
 def test_weakened_guarantees_refuse_unless_lossy(
