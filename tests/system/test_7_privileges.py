@@ -188,6 +188,8 @@ def test_a_worker_gets_its_credential_and_nothing_of_another_provider(
         f"/etc/providerd/providers/{B}.toml": ("ENOENT",),
         f"/run/systemd/generator/provider-worker@{B}.service.d/50-manifest.conf": ("EACCES",),
         f"/run/providerd/{B}/worker.env": ("EACCES", "ENOENT"),
+        # B's model process and its environment (the exported B_TOKEN among it)
+        f"/proc/{ct.prop(f'provider-worker@{B}.service', 'MainPID')}/environ": ("ENOENT", "EACCES"),
     }
     for path, expected in theirs.items():
         outcome = probe(ct, PORT_A, "read", path)
