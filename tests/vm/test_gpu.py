@@ -82,10 +82,11 @@ def test_no_room_refuses_naming_the_busy_holders_and_never_cuts_them(
     check = vm["gpu_refused"]
     assert check["d"]["status"] == 503, check["d"]
     doc = json.loads(check["d"]["body"])
+    why = f"{doc}\n{check.get('journal', '')}"
     assert doc["provider"] == "gpu_d"
-    assert doc["error"].startswith("Not enough GPU memory for gpu_d"), doc
+    assert doc["error"].startswith("Not enough GPU memory for gpu_d"), why
     holders = {h["slug"]: h for h in doc["holders"]}
-    assert set(holders) == {"gpu_a", "gpu_c"}, doc
+    assert set(holders) == {"gpu_a", "gpu_c"}, why
     assert all(h["busy"] and h["requests_in_flight"] >= 1 for h in holders.values()), doc
     assert "/" not in json.dumps(doc["holders"])  # no host paths, no addresses
     assert 3.5 < check["d_s"] < 30, check  # it waited its start timeout (4 s) for room

@@ -130,6 +130,10 @@ def gpu_manifest(slug: str, port: int, nbytes: int, budget_gib: int, idle: float
 def setup_fake_gpus() -> None:
     os.makedirs(f"{FAKE_NVML}/procs", exist_ok=True)
     os.chmod(f"{FAKE_NVML}/procs", 0o1777)
+    # Sticky: each worker (its own user) writes its own file, and the fronts (user
+    # providerd) remove those of exited workers as the directory's owner, as NVML forgets
+    # an exited process; a front that could not would count them for its first 0.11 s.
+    shutil.chown(f"{FAKE_NVML}/procs", "providerd", "providerd")
     Path(f"{FAKE_NVML}/cards.json").write_text(json.dumps(CARDS))
     for name, minor in (("nvidia0", 0), ("nvidia1", 1), ("nvidiactl", 255)):
         os.mknod(f"/dev/{name}", 0o666 | 0o020000, os.makedev(195, minor))
@@ -232,6 +236,10 @@ def gpu_checks() -> None:
         huge_s=round(huge_s, 2),
         busy=served,
         worker=sh("systemctl is-active provider-worker@gpu_d.service")["out"].strip(),
+        journal=sh(
+            "journalctl -q -o short-monotonic -u 'provider@gpu_*.service' "
+            "-u 'provider-worker@gpu_*.service' | tail -n 120"
+        )["out"],
     )
 
     # Over budget: c grows past its 10 GiB and is stopped by its front.
