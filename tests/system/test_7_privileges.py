@@ -276,10 +276,10 @@ def one():
     s = socket.create_connection(("127.0.0.1", port), timeout=120)
     if body_mb:
         body = b'{"model": "no-such-model", "pad": "' + b"x" * (body_mb << 20) + b'"}'
-        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         s.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     else:
-        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
     data = b""
     while chunk := s.recv(65536):
         data += chunk
