@@ -17,6 +17,7 @@ import errno
 import os
 import re
 import shlex
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
