@@ -232,6 +232,8 @@ def check_faithful(p: Provider) -> None:
     for v in values(worker, "Environment"):
         env.update(environment(v))
     port = {"PROVIDERD_WORKER_PORT": str(p.known_worker_port)} if p.known_worker_port else {}
+    if p.network == "host":
+        port["PROVIDERD_WORKER_HOST"] = units.worker_loopback(p.slug)
     assert env == {**port, **dict(p.environment)}
     conditions = values(worker, "ConditionPathExists")
     assert conditions == (["", f"!{units.BACKOFF_FILE}"] if p.starts_with_front else [])
