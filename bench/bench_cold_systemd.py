@@ -44,7 +44,7 @@ import socket, sys, time
 time.sleep(float(sys.argv[2]))
 s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", int(sys.argv[1])))
+s.bind((sys.argv[3] if len(sys.argv) > 3 else "127.0.0.1", int(sys.argv[1])))
 s.listen(1024)
 while True:
     c, _ = s.accept()
@@ -124,7 +124,7 @@ def manifest(load: float, decided: bool) -> str:
         address = "127.0.0.1:{PORT}"
         protocol = "http"
         [runtime]
-        command = ["/usr/bin/python3", "{LIB}/model.py", "{{port}}", "{load}"]
+        command = ["/usr/bin/python3", "{LIB}/model.py", "{{port}}", "{load}", "{{host}}"]
         ready = "tcp"
         start_timeout_s = 60
         idle_timeout_s = 300
