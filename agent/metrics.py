@@ -27,7 +27,7 @@ import logging
 import socket
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +102,32 @@ async def gather(slugs: Iterable[str], runtime_dir: Path | None = None) -> list[
     return list(await asyncio.gather(*(one(s) for s in names)))
 
 
+# Per-provider gauges (name, help, the sample's value) and counters (name, help, the
+# key in the saved counters), in the order a scrape lists them.
+GAUGES: list[tuple[str, str, Callable[[Sample], float]]] = [
+    ("providerd_requests_in_flight", "Requests being served", lambda s: s.in_flight),
+    ("providerd_requests_waiting", "Requests held while the worker starts", lambda s: s.waiting),
+    (
+        "providerd_vram_reserved_bytes",
+        "GPU memory admission reserved per card",
+        lambda s: s.vram_reserved,
+    ),
+    ("providerd_vram_used_bytes", "GPU memory the worker's processes use", lambda s: s.vram_used),
+    ("providerd_worker_memory_bytes", "The worker's memory (its cgroup's)", lambda s: s.memory),
+]
+COUNTERS = [
+    ("providerd_requests_served", "Requests answered by the worker", "served"),
+    ("providerd_cold_starts", "Worker starts that became ready", "cold_starts"),
+    ("providerd_start_failures", "Worker starts that failed", "start_failures"),
+    ("providerd_idle_releases", "Workers released after idle_timeout_s", "idle_releases"),
+    (
+        "providerd_gpu_retirements",
+        "Times the worker was retired for another provider",
+        "gpu_retirements",
+    ),
+]
+
+
 def render(samples: list[Sample], router: counters.RouterCounters | None = None) -> bytes:
     """The Prometheus text exposition of `samples` and the router's counters
     (prometheus_client's own writer)."""
@@ -118,40 +144,10 @@ def render(samples: list[Sample], router: counters.RouterCounters | None = None)
             "providerd_provider_state", "1 for the provider's current state, else 0",
             labels=["provider", "state"],
         )  # fmt: skip
-        g_flight = GaugeMetricFamily(
-            "providerd_requests_in_flight", "Requests being served", labels=p
-        )
-        g_wait = GaugeMetricFamily(
-            "providerd_requests_waiting", "Requests held while the worker starts", labels=p
-        )
-        g_reserved = GaugeMetricFamily(
-            "providerd_vram_reserved_bytes", "GPU memory admission reserved per card", labels=p
-        )
-        g_used = GaugeMetricFamily(
-            "providerd_vram_used_bytes", "GPU memory the worker's processes use", labels=p
-        )
-        g_mem = GaugeMetricFamily(
-            "providerd_worker_memory_bytes", "The worker's memory (its cgroup's)", labels=p
-        )
-        c_served = CounterMetricFamily(
-            "providerd_requests_served", "Requests answered by the worker", labels=p
-        )
+        gauges = [(GaugeMetricFamily(name, text, labels=p), get) for name, text, get in GAUGES]
+        plain = [(CounterMetricFamily(name, text, labels=p), key) for name, text, key in COUNTERS]
         c_refused = CounterMetricFamily(
             "providerd_requests_refused", "Requests refused, by cause", labels=["provider", "cause"]
-        )
-        c_starts = CounterMetricFamily(
-            "providerd_cold_starts", "Worker starts that became ready", labels=p
-        )
-        c_fail = CounterMetricFamily(
-            "providerd_start_failures", "Worker starts that failed", labels=p
-        )
-        c_idle = CounterMetricFamily(
-            "providerd_idle_releases", "Workers released after idle_timeout_s", labels=p
-        )
-        c_retired = CounterMetricFamily(
-            "providerd_gpu_retirements",
-            "Times the worker was retired for another provider",
-            labels=p,
         )
         h_start = HistogramMetricFamily(
             "providerd_cold_start_duration_seconds", "How long cold starts took", labels=p
@@ -159,19 +155,13 @@ def render(samples: list[Sample], router: counters.RouterCounters | None = None)
         for s in samples:
             for name in STATES:
                 state.add_metric([s.slug, name], 1.0 if s.state == name else 0.0)
-            g_flight.add_metric([s.slug], s.in_flight)
-            g_wait.add_metric([s.slug], s.waiting)
-            g_reserved.add_metric([s.slug], s.vram_reserved)
-            g_used.add_metric([s.slug], s.vram_used)
-            g_mem.add_metric([s.slug], s.memory)
+            for family, get in gauges:
+                family.add_metric([s.slug], get(s))
             c = s.counters
-            c_served.add_metric([s.slug], c["served"])
+            for counter, key in plain:
+                counter.add_metric([s.slug], c[key])
             for cause, n in sorted(c["refused"].items()):
                 c_refused.add_metric([s.slug, cause], n)
-            c_starts.add_metric([s.slug], c["cold_starts"])
-            c_fail.add_metric([s.slug], c["start_failures"])
-            c_idle.add_metric([s.slug], c["idle_releases"])
-            c_retired.add_metric([s.slug], c["gpu_retirements"])
             hist = c["start_seconds"]
             buckets = [(str(float(bound)), n) for bound, n in hist["buckets"]]
             buckets.append(("+Inf", hist["count"]))
@@ -186,8 +176,7 @@ def render(samples: list[Sample], router: counters.RouterCounters | None = None)
         ):
             c_router.add_metric([slug, model, str(status)], n)
         return [
-            state, g_flight, g_wait, g_reserved, g_used, g_mem,
-            c_served, c_refused, c_starts, c_fail, c_idle, c_retired, h_start, c_router,
+            state, *(f for f, _ in gauges), *(f for f, _ in plain), c_refused, h_start, c_router,
         ]  # fmt: skip
 
     class Collector:
