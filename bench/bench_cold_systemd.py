@@ -33,25 +33,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.system.nspawn import Container, base_tarball, installed  # noqa: E402
+from tests.system.soak import MODEL  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "cold_systemd.txt"
 LIB = "/usr/local/lib/providerd-bench"
 SLUG = "coldbench"
 PORT = 18300
-
-MODEL = """\
-import socket, sys, time
-time.sleep(float(sys.argv[2]))
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[3] if len(sys.argv) > 3 else "127.0.0.1", int(sys.argv[1])))
-s.listen(1024)
-while True:
-    c, _ = s.accept()
-    c.recv(65536)
-    c.sendall(b"HTTP/1.1 200 OK\\r\\nContent-Length: 2\\r\\n\\r\\nok")
-    c.close()
-"""
 
 # Runs inside the container: one JSON line per round.
 CLIENT = """\

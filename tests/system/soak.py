@@ -19,11 +19,14 @@ SLUG = "soak"
 PORT = 18310
 LIB = "/usr/local/lib/providerd-soak"
 
+# The model both the soak and the cold-start bench run: `model.py PORT [LOAD_S [HOST]]`
+# waits LOAD_S (its load), then answers every request with 200 and closes.
 MODEL = """\
-import socket, sys
+import socket, sys, time
+time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0)
 s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", int(sys.argv[1])))
+s.bind((sys.argv[3] if len(sys.argv) > 3 else "127.0.0.1", int(sys.argv[1])))
 s.listen(1024)
 while True:
     c, _ = s.accept()
