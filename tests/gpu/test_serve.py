@@ -25,6 +25,18 @@ from typing import Any
 from support import GIB, ROOT, WORKER, card, card_by_uuid, figure, skip
 
 
+def serve_env(tmp: Path, mdir: Path) -> dict[str, str]:
+    """The environment of a `providerctl serve` with its state under `tmp`, manifests in `mdir`."""
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PROVIDERD_RUNTIME_DIR": str(tmp / "run"),
+        "PROVIDERD_STATE_DIR": str(tmp / "state"),
+        "PROVIDERD_TRUSTED_UID": str(os.getuid()),
+        "PROVIDERD_MANIFEST_DIRS": str(mdir),
+    }
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -152,14 +164,7 @@ def test_three_providers_over_budget_idle_release_and_placement() -> None:
         manifest(mdir, "e", ports["e"], 4 * GIB, 3 * GIB, 3),
     ]
     out = Path(os.environ.get("OUT", tmp))
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "PROVIDERD_RUNTIME_DIR": str(tmp / "run"),
-        "PROVIDERD_STATE_DIR": str(tmp / "state"),
-        "PROVIDERD_TRUSTED_UID": str(os.getuid()),
-        "PROVIDERD_MANIFEST_DIRS": str(mdir),
-    }
+    env = serve_env(tmp, mdir)
     serve = Serve(manifests, env, out / "gpu-serve.log")
     try:
         for p in ports.values():
@@ -262,14 +267,7 @@ def test_pinned_and_priorities_decide_who_gives_way() -> None:
         manifest(mdir, "top", ports["top"], share, alloc, 120, gpu="priority = 9"),
     ]
     out = Path(os.environ.get("OUT", tmp))
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "PROVIDERD_RUNTIME_DIR": str(tmp / "run"),
-        "PROVIDERD_STATE_DIR": str(tmp / "state"),
-        "PROVIDERD_TRUSTED_UID": str(os.getuid()),
-        "PROVIDERD_MANIFEST_DIRS": str(mdir),
-    }
+    env = serve_env(tmp, mdir)
     serve = Serve(manifests, env, out / "gpu-priority.log")
     try:
         for p in ports.values():
