@@ -422,6 +422,7 @@ class _Connection:
         self.up: socket.socket | None = None  # the worker connection of the request in flight
         self.up_generation = -1
         self.up_shut = False  # the client's half-close went on to it: not to be kept
+        self.up_clean = False  # its last response ended cleanly: another request may use it
         self.slot = False  # this connection holds one of the worker's concurrency slots
         self.client_eof = False
         self.linger = False  # we close first: let the client read our last answer
@@ -506,11 +507,14 @@ class _Connection:
             return
         self.slot = False
         up, self.up = self.up, None
+        clean, self.up_clean = self.up_clean, False
         if up is not None:
-            if self.up_shut:
-                up.close()
-            else:
+            # Only a connection known to be between responses is kept: one left by an error
+            # or a cancellation may still carry this request's answer to the next client.
+            if clean and not self.up_shut:
                 self.backend.upstream.keep(up, self.up_generation)
+            else:
+                up.close()
         self.backend.upstream.release()
 
     async def watched(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -557,6 +561,7 @@ class _Connection:
                 return up, True
             self.drop_upstream()
         self.up_shut = False
+        self.up_clean = False
         self.up_generation = generation
         up = self.backend.upstream.take_idle(generation) if kept else None
         if up is not None:
@@ -965,6 +970,7 @@ class _Http(_Connection, HeadReader, ResponseRelay):
             pump.result()
         if not reusable or not resp.keep_alive or not req.keep_alive:  # it closes after
             self.drop_upstream()
+        self.up_clean = self.up is not None
         keep = (
             req.keep_alive
             and resp.keep_alive

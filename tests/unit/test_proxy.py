@@ -1122,6 +1122,42 @@ def test_cancelling_the_connection_task_releases_the_lease_and_closes() -> None:
     run(test)
 
 
+def test_a_worker_connection_left_mid_response_by_a_cancellation_is_not_kept() -> None:
+    """A request cancelled from outside (a release cancels connection tasks) leaves its
+    answer on the way: kept, that connection would hand it to the next client."""
+
+    async def slow_then_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head, _ = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            target = head.split(b" ")[1]
+            if target == b"/slow":
+                await asyncio.sleep(0.3)
+            writer.write(ok(target))
+            await writer.drain()
+
+    async def test() -> None:
+        async with Setup(slow_then_echo) as (_, backend, px):
+            first = await px.connect()
+            await first.send(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n")
+            async with asyncio.timeout(2):
+                while backend.active != 1:
+                    await asyncio.sleep(0.005)
+            (task,) = px.tasks
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            first.close()
+            second = await px.connect()
+            await second.send(b"GET /fast HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert (await second.response())[:3:2] == (200, b"/fast")
+            second.close()
+
+    run(test)
+
+
 def test_held_request_gets_503_when_the_start_fails() -> None:
     async def test() -> None:
         async with Setup(echo_worker) as (_, backend, px):
