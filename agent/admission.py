@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agent import paths, rpc
-from agent.footprint import Footprints, write_atomic
+from agent.files import write_atomic
+from agent.footprint import Footprints
 from agent.gpu import (
     MIB,
     Card,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agent import paths, worker
+from agent.files import write_atomic
 from agent.systemd import Systemd
 
 ExitCallback = Callable[[str], None]
@@ -61,14 +62,11 @@ class WorkerControl(Protocol):
 
 def write_env_file(path: Path, env: Mapping[str, str]) -> None:
     """Write an EnvironmentFile= atomically (temp + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
     lines = []
     for key, value in env.items():
         escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
         lines.append(f'{key}="{escaped}"\n')
-    tmp.write_text("".join(lines))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(lines))
 
 
 # ---------------------------------------------------------------------------- systemd

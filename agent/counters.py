@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import paths
-from agent.footprint import write_atomic
+from agent.files import write_atomic
 
 # Cold-start duration buckets (seconds): a model loads in well under a second or in minutes.
 BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)

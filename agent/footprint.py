@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from agent import paths
+from agent.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -68,18 +67,3 @@ class Footprints:
     def forget(self, slug: str) -> None:
         """Drop the measurements (after the model changed)."""
         self._file(slug).unlink(missing_ok=True)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` so readers see the old or the new content, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

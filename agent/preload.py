@@ -15,7 +15,7 @@ import logging
 from typing import Any
 
 from agent import paths
-from agent.footprint import write_atomic
+from agent.files import write_atomic
 from agent.model import Provider
 
 CAUSE = "preload"

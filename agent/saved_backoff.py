@@ -19,10 +19,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.files import write_atomic
 from agent.model import Provider
 
 
@@ -61,9 +61,7 @@ def save(path: Path, saved: Saved) -> None:
         "reason": saved.reason,
         "manifest": saved.manifest,
     }
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data) + "\n")
 
 
 def clear(path: Path) -> None:

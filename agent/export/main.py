@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import TextIO
 
 from agent import paths
 from agent.export import kubernetes, yamltext
+from agent.files import write_atomic
 from agent.manifest import check_paths, discover
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_SUCH = 0, 1, 2, 4
@@ -52,18 +52,6 @@ def options(
     return kubernetes.Options(image, namespace, sharing, lossy, gateway)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def main_export(
     items: list[str],
     opts: kubernetes.Options,
@@ -91,7 +79,7 @@ def main_export(
             directory.mkdir(parents=True, exist_ok=True)
             for obj in result.objects:
                 path = directory / kubernetes.file_name(obj)
-                _write_atomic(path, yamltext.document(obj))
+                write_atomic(path, yamltext.document(obj), mode=0o644)
                 out.write(f"{path}\n")
         except OSError as e:
             err.write(f"providerctl: Failed to write {out_dir}: {e.strerror or e}\n")

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.footprint import Footprints, write_atomic
+from agent.files import write_atomic
+from agent.footprint import Footprints
 from agent.gpu import GIB
 
 
