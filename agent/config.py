@@ -39,7 +39,6 @@ from agent.values import (
 )
 
 ROUTER_SOCKET = "providerd-router.socket"
-ROUTER_SERVICE = "providerd-router.service"
 ROUTER_DROPIN = "50-config.conf"
 ROUTER_SOCKET_UNIT = f"{UNIT_DIR}/{ROUTER_SOCKET}"
 DEFAULT_ROUTER_ADDRESS = Address("127.0.0.1", 8100)

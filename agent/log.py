@@ -31,8 +31,6 @@ def setup(*, journal: bool, verbose: bool = False) -> None:
         own = logging.getLogger(name)
         own.setLevel(logging.DEBUG if verbose else logging.INFO)
         own.propagate = True
-        for old in [h for h in own.handlers if _installed(h)]:
-            own.removeHandler(old)
     handler: logging.Handler = logging.StreamHandler(sys.stderr)
     if journal:
         try:

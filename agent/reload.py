@@ -205,7 +205,6 @@ def _run(action: Action, systemd: SystemdOps, out: TextIO) -> bool:
 
 
 ROUTER_SOCKET = "providerd-router.socket"
-ROUTER_SERVICE = "providerd-router.service"
 
 
 def _router_dropin() -> str | None:
@@ -232,7 +231,7 @@ def router_actions(
         before[slug].get("digest") != units.digest(p) for slug, p in after.items()
     )
     if changed:
-        out.append(Action("reload", (ROUTER_SERVICE,), "router: manifests changed"))
+        out.append(Action("reload", (units.ROUTER_SERVICE,), "router: manifests changed"))
     return out
 
 

@@ -352,13 +352,13 @@ def test_the_router_rereads_manifests_only_when_they_changed(
     mdir, systemd = env
     (mdir / "one.toml").write_text(manifest_text(9101))
     systemd.boot()
-    systemd.active.add(reload.ROUTER_SERVICE)
+    systemd.active.add(units.ROUTER_SERVICE)
     assert run(systemd)[0] == 0
-    assert f"reload {reload.ROUTER_SERVICE}" not in systemd.calls  # nothing changed
+    assert f"reload {units.ROUTER_SERVICE}" not in systemd.calls  # nothing changed
     (mdir / "two.toml").write_text(manifest_text(9102))
     code, _ = run(systemd)
     assert code == 0
-    assert f"reload {reload.ROUTER_SERVICE}" in systemd.calls
+    assert f"reload {units.ROUTER_SERVICE}" in systemd.calls
 
 
 def test_router_actions_restart_a_moved_router_socket() -> None:
