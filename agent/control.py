@@ -163,8 +163,10 @@ class SystemdWorker:
         failed before the front asked: "failed" with no job can only be that start's end,
         since a start job clears an earlier failure when it runs.
         """
-        job = await self.systemd.get(self.unit, "Unit", "Job")
-        active = await self.systemd.get(self.unit, "Unit", "ActiveState")
+        job, active = await asyncio.gather(  # sent together: one round trip, not two
+            self.systemd.get(self.unit, "Unit", "Job"),
+            self.systemd.get(self.unit, "Unit", "ActiveState"),
+        )
         job_id = job[0] if isinstance(job, (list, tuple)) and job else 0
         if active == "failed" and not job_id:
             reason = await self._failure_reason("failed to start")
