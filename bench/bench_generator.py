@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from agent import generator  # noqa: E402
+from agent.systemd import generator  # noqa: E402
 
 MANIFEST = """\
 description = "Benchmark provider {i}"
@@ -82,7 +82,7 @@ def run_generator(mdir: Path, out: Path) -> tuple[float, str]:
     env["PROVIDERD_CONFIG"] = str(mdir / "absent-providerd.toml")
     t0 = time.perf_counter()
     r = subprocess.run(
-        [sys.executable, "-c", "import sys; from agent.generator import main; sys.exit(main(sys.argv[1:]))", str(out)],
+        [sys.executable, "-c", "import sys; from agent.systemd.generator import main; sys.exit(main(sys.argv[1:]))", str(out)],
         cwd=REPO, env=env, check=True, capture_output=True, text=True,
     )  # fmt: skip
     return time.perf_counter() - t0, r.stderr
@@ -196,7 +196,7 @@ def main() -> int:
                 [
                     sys.executable,
                     "-c",
-                    "import sys; from agent.generator import main; sys.exit(main(sys.argv[1:]))",
+                    "import sys; from agent.systemd.generator import main; sys.exit(main(sys.argv[1:]))",
                     str(out),
                     str(out),
                     str(out),

@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """What the asyncio I/O model costs the data path, before any HTTP logic.
 
-Two bare relays that parse nothing, next to systemd-socket-proxyd and agent.proxy:
-  coroutines: what agent.proxy does per request (wait for readability, recv_into,
+Two bare relays that parse nothing, next to systemd-socket-proxyd and agent.net.proxy:
+  coroutines: what agent.net.proxy does per request (wait for readability, recv_into,
               sock_sendall, on both sockets), with no HTTP parsing or leases;
   protocols:  asyncio Protocols and transports (callbacks, sockets stay registered).
 Each runs in its own process, with its listening socket as fd 3 like the others, in
 front of the same raw-socket backend. Prints, per path, the p50 of a small keep-alive
 request and the proxy process's CPU time per request. The difference between the two
-bare relays is what the I/O model costs; agent.proxy minus the coroutine relay is what
+bare relays is what the I/O model costs; agent.net.proxy minus the coroutine relay is what
 its HTTP handling costs.
 
     python3 bench/bench_io_models.py [--quick]
@@ -35,7 +35,7 @@ BENCH = Path(__file__).resolve()
 
 async def _coroutine_relay(client: socket.socket, port: int) -> None:
     sys.path.insert(0, str(ROOT))
-    from agent.sockio import wait_readable
+    from agent.net.sockio import wait_readable
 
     loop = asyncio.get_running_loop()
     up = socket.socket()
@@ -121,7 +121,7 @@ def run(quick: bool) -> str:
         "proxyd": [PROXYD, "-c", "4096", f"127.0.0.1:{port}"],
         "coroutines": [py, str(BENCH), "--role", "coroutines", "--backend-port", str(port)],
         "protocols": [py, str(BENCH), "--role", "protocols", "--backend-port", str(port)],
-        "agent.proxy": [
+        "agent.net.proxy": [
             py, str(BENCH.with_name("bench_proxy.py")), "--role", "ours",
             "--backend-port", str(port),
         ],
@@ -162,7 +162,7 @@ def run(quick: bool) -> str:
         )
     lines += [
         "",
-        "coroutines and protocols relay bytes and parse nothing; agent.proxy is the real path.",
+        "coroutines and protocols relay bytes and parse nothing; agent.net.proxy is the real path.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The request parsers providerd could use, side by side: `agent.http` (the data path's own),
+"""The request parsers providerd could use, side by side: `agent.net.http` (the data path's own),
 `httptools` and `h11` as Debian 12 ships them (python3-httptools, python3-h11).
 
     python3 bench/bench_parsers.py           # writes bench/results/parsers.txt
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agent.http import ChunkedScanner, HttpError, find_head_end, parse_request_head  # noqa: E402
+from agent.net.http import ChunkedScanner, HttpError, find_head_end, parse_request_head  # noqa: E402
 
 CASES: list[tuple[str, bytes]] = [
     ("plain GET", b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"),
@@ -205,17 +205,17 @@ def main(argv: list[str]) -> int:
     import httptools
 
     lines = [
-        f"Request parsers: agent.http, httptools {httptools.__version__}, h11 {h11.__version__}",
+        f"Request parsers: agent.net.http, httptools {httptools.__version__}, h11 {h11.__version__}",
         "",
-        f"{'case':26} {'agent.http':28} {'httptools':30} {'h11':22}",
+        f"{'case':26} {'agent.net.http':28} {'httptools':30} {'h11':22}",
     ]
     for name, data in CASES:
         lines.append(f"{name:26} {ours(data):28} {with_httptools(data):30} {with_h11(data):22}")
     rounds, n = (3, 2000) if quick else (7, 10000)
     lines += ["", f"CPU per typical request head (median of {rounds} rounds of {n}):"]
     for label, fn in (
-        ("agent.http (framing)", parse_ours),
-        ("agent.http (framing + fields)", parse_ours_fields),
+        ("agent.net.http (framing)", parse_ours),
+        ("agent.net.http (framing + fields)", parse_ours_fields),
         ("httptools (framing + fields)", parse_httptools),
         ("httptools (no callbacks)", parse_httptools_bare),
         ("h11 (connection + event)", parse_h11),

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""The data path, measured: direct vs systemd-socket-proxyd vs agent.proxy.
+"""The data path, measured: direct vs systemd-socket-proxyd vs agent.net.proxy.
 
 One run on this machine, loopback only, about a minute. Three processes per path:
 this one (the client), a small raw-socket HTTP backend, and the proxy under test —
-`systemd-socket-proxyd` or `agent.proxy.serve_http` behind a plain accept loop with a
+`systemd-socket-proxyd` or `agent.net.proxy.serve_http` behind a plain accept loop with a
 backend that is always ready (a separate process, like proxyd). Both proxies get their
 listening socket as fd 3 (LISTEN_FDS=1, LISTEN_PID).
 
@@ -305,7 +305,9 @@ def table(
     )
     add(f"providerd data path — {time.strftime('%Y-%m-%d %H:%M')}, {cpu}, {os.cpu_count()} CPUs,")
     add(f"Linux {platform.release()}, Python {platform.python_version()}, loopback TCP.")
-    add("direct = client → backend; proxyd = systemd-socket-proxyd; ours = agent.proxy.serve_http")
+    add(
+        "direct = client → backend; proxyd = systemd-socket-proxyd; ours = agent.net.proxy.serve_http"
+    )
     add("(separate process, always-ready backend). Added = path - direct at the same percentile.")
     add("")
     row = "{:<34}{:>10}{:>10}{:>10}{:>14}"

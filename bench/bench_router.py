@@ -3,8 +3,8 @@
 front adds over going to the worker.
 
 One run on this machine, loopback only. Four processes: this one (the client), a small
-raw-socket HTTP backend (the "worker"), a front (`agent.proxy.serve_http` behind a
-plain accept loop, always ready) in front of it, and the router (`agent.router.Router`)
+raw-socket HTTP backend (the "worker"), a front (`agent.net.proxy.serve_http` behind a
+plain accept loop, always ready) in front of it, and the router (`agent.router.router.Router`)
 whose one provider is that front. Each gets its listening socket as fd 3.
 
     direct:  client → worker
@@ -99,9 +99,9 @@ def router_main(front_port: int) -> None:
     import asyncio
 
     sys.path.insert(0, str(ROOT))
-    from agent.config import RouterConfig
-    from agent.model import Address, Provider
-    from agent.router import Router, Table
+    from agent.router.router import Router, Table
+    from agent.spec.provider import Address, Provider
+    from agent.spec.settings import RouterConfig
 
     provider = Provider(
         slug="bench",

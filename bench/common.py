@@ -1,5 +1,5 @@
 """What the data path benchmarks share: an epoll HTTP backend loop, a front that is always
-ready (`agent.proxy.serve_http` behind a plain accept loop), processes that get their
+ready (`agent.net.proxy.serve_http` behind a plain accept loop), processes that get their
 listening socket as fd 3, and the client's reads and percentiles."""
 
 from __future__ import annotations
@@ -59,14 +59,14 @@ def serve_epoll(on_data: OnData) -> None:
 
 
 def always_ready_front(worker_port: int) -> None:
-    """`agent.proxy.serve_http` on the listening socket fd 3, every connection relayed to
+    """`agent.net.proxy.serve_http` on the listening socket fd 3, every connection relayed to
     127.0.0.1:worker_port by a backend that is always ready and holds no lease."""
     import asyncio
 
     sys.path.insert(0, str(ROOT))
-    from agent.model import Address as Addr
-    from agent.proxy import serve_http
-    from agent.upstream import Upstream
+    from agent.net.proxy import serve_http
+    from agent.net.upstream import Upstream
+    from agent.spec.provider import Address as Addr
 
     class NoLease:
         def release(self) -> None:

@@ -1,5 +1,5 @@
 """Exports of provider manifests to other engines (`providerctl export`).
 
-Reads only the spec side (`agent.model`, `agent.manifest`, `agent.keys`, `agent.values`):
+Reads only the spec side (`agent.spec.provider`, `agent.spec.manifest`, `agent.spec.keys`, `agent.spec.values`):
 nothing here imports the front, the data path or the GPU code.
 """

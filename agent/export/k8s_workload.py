@@ -19,7 +19,7 @@ from agent.export.k8s_values import (
     meta,
     selector,
 )
-from agent.model import Provider, fill_placeholders
+from agent.spec.provider import Provider, fill_placeholders
 
 
 def _command(p: Provider, port: int, losses: list[Loss]) -> list[str] | None:

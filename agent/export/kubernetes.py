@@ -41,8 +41,8 @@ from agent.export.k8s_values import (
     selector,
 )
 from agent.export.k8s_workload import deployment
-from agent.keys import KEYS
-from agent.model import Address, Problem, Provider
+from agent.spec.keys import KEYS
+from agent.spec.provider import Address, Problem, Provider
 
 __all__ = ["Export", "GpuSharing", "Options", "export", "file_name"]
 

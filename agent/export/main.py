@@ -10,10 +10,10 @@ import re
 from pathlib import Path
 from typing import TextIO
 
-from agent import paths
 from agent.export import kubernetes, yamltext
-from agent.files import write_atomic
-from agent.manifest import check_paths, discover
+from agent.spec import paths
+from agent.spec.files import write_atomic
+from agent.spec.manifest import check_paths, discover
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_SUCH = 0, 1, 2, 4
 

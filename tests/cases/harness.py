@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from agent.values import Host
+from agent.spec.values import Host
 
 CASES = Path(__file__).resolve().parent
 REPO = CASES.parent.parent

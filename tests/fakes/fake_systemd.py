@@ -1,4 +1,4 @@
-"""A faithful in-memory stand-in for systemd's D-Bus API (the `agent.systemd.Systemd` interface).
+"""A faithful in-memory stand-in for systemd's D-Bus API (the `agent.systemd.bus.Systemd` interface).
 
 It models what the callers depend on: start jobs that end "done" only once a
 Type=notify unit is ready, "failed" with a Result when it is not, conditions that
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.systemd import StateCallback, property_values
+from agent.systemd.bus import StateCallback, property_values
 
 
 @dataclass

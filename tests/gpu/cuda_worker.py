@@ -9,7 +9,7 @@ cuda_worker.py serve --port P --bytes N
                                    GET /slow?s=S (answer after S seconds)
 cuda_worker.py probe               print {"devices": n} or {"error": "..."} and exit
 
-With PROVIDERD_NVML_FAKE=<dir> set, the card is the fake one of agent.gpu.DirNvml:
+With PROVIDERD_NVML_FAKE=<dir> set, the card is the fake one of agent.gpu.nvml.DirNvml:
 allocations are numbers written to <dir>/procs/<pid>.json, so the same scenarios run
 without a GPU (tests/integration/test_gpu_fake.py).
 """
@@ -92,7 +92,7 @@ class Cuda:
 
 
 class FakeCuda:
-    """The fake card of agent.gpu.DirNvml, with the interface of `Cuda`.
+    """The fake card of agent.gpu.nvml.DirNvml, with the interface of `Cuda`.
 
     Holds no memory: it writes what it would hold, plus a CUDA context, to
     <dir>/procs/<pid>.json, which the fake NVML reads. Like the driver, it opens the

@@ -3,7 +3,7 @@
 The tier runs under pytest (`pytest -m gpu tests/gpu`) or, on a host without pytest,
 under `tests/gpu/runner.py`; test functions take no arguments and call `skip()`.
 With PROVIDERD_NVML_FAKE set, NVML and the CUDA workers use the fake card of
-`agent.gpu.DirNvml` instead (`tests/integration/test_gpu_fake.py`).
+`agent.gpu.nvml.DirNvml` instead (`tests/integration/test_gpu_fake.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ WORKER = Path(__file__).resolve().parent / "cuda_worker.py"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from agent.gpu import (  # noqa: E402
+from agent.gpu.nvml import (  # noqa: E402
     FAKE_ENV,
     GIB,
     MIB,

@@ -25,11 +25,11 @@ from support import (
     wait_free,
 )
 
-from agent.admission import AdmissionRefused, admit
-from agent.footprint import Footprints
-from agent.model import Provider
-from agent.placement import Holder, Plan, device_allow, plan_admission, worker_env
-from agent.vram import Overage, ProcFs, VramSampler, attribute
+from agent.gpu.admission import AdmissionRefused, admit
+from agent.gpu.footprint import Footprints
+from agent.gpu.placement import Holder, Plan, device_allow, plan_admission, worker_env
+from agent.gpu.vram import Overage, ProcFs, VramSampler, attribute
+from agent.spec.provider import Provider
 
 
 def gpu_provider(slug: str, budget: int, **kw: object) -> Provider:

@@ -143,8 +143,8 @@ def wait_port(port: int, timeout: float = 20) -> None:
 
 def test_three_providers_over_budget_idle_release_and_placement() -> None:
     try:
-        import agent.proxy
-        import agent.serve  # noqa: F401
+        import agent.cli.serve
+        import agent.net.proxy  # noqa: F401
     except ImportError as why:
         skip(f"the foreground agent is not importable here: {why}")
     c = card()
@@ -248,7 +248,7 @@ def test_pinned_and_priorities_decide_who_gives_way() -> None:
     timeout), `mid` has priority 5. `low` (priority 0) may retire neither and is refused
     with both named and why; `top` (priority 9) retires `mid`, never `pin`."""
     try:
-        import agent.serve  # noqa: F401
+        import agent.cli.serve  # noqa: F401
     except ImportError as why:
         skip(f"the foreground agent is not importable here: {why}")
     c = card()

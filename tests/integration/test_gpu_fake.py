@@ -1,7 +1,7 @@
 """The GPU tier's own scenarios, run without a GPU against the fake card.
 
 `tests/gpu/` drives real CUDA processes on a real card. Here the same test functions
-run with PROVIDERD_NVML_FAKE set: NVML is `agent.gpu.DirNvml` and the workers
+run with PROVIDERD_NVML_FAKE set: NVML is `agent.gpu.nvml.DirNvml` and the workers
 (`tests/gpu/cuda_worker.py`) write what they hold to its directory, so every line of
 the scenarios (admission retiring real processes, enforcement, `providerctl serve`
 with five GPU providers, the measurement of memory coming back after an idle
@@ -23,7 +23,7 @@ sys.path.insert(0, str(GPU_TIER))
 
 import support  # noqa: E402
 
-from agent.gpu import FAKE_ENV, GIB  # noqa: E402
+from agent.gpu.nvml import FAKE_ENV, GIB  # noqa: E402
 
 SCENARIOS = [
     t for name in ("test_layer", "test_serve") for t in support.tests_in(GPU_TIER / f"{name}.py")

@@ -93,7 +93,7 @@ FAKE_CARD = [{"uuid": "GPU-00000000-0000-0000-0000-000000000001", "total": 80 <<
 
 
 def test_module_loggers_reach_the_providers_journal(ct: Container, provider: Provider) -> None:
-    """agent.footprint logs through getLogger(__name__): its warning must reach the
+    """agent.gpu.footprint logs through getLogger(__name__): its warning must reach the
     front's journal with the provider's field, not stderr through logging.lastResort."""
     slug, port = "hlog", PORT + 2
     ct.write("/srv/fakegpu/cards.json", json.dumps(FAKE_CARD))
@@ -114,7 +114,7 @@ def test_module_loggers_reach_the_providers_journal(ct: Container, provider: Pro
         entries = [json.loads(x) for x in fields.splitlines() if line in x]
         assert entries, fields
         assert entries[0].get("PROVIDER") == slug, entries[0]
-        assert entries[0].get("LOGGER") == "agent.footprint", entries[0]
+        assert entries[0].get("LOGGER") == "agent.gpu.footprint", entries[0]
         assert entries[0].get("PRIORITY") == "4", entries[0]  # a warning
     finally:
         ct.sh(

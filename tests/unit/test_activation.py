@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from agent import saved_backoff, units
-from agent.control import StartFailed, SystemdWorker
-from agent.front import Front
-from agent.model import PRIVATE_WORKER_PORT, Address, Provider
-from agent.state import State
+from agent.front import backoff as saved_backoff
+from agent.front.front import Front
+from agent.front.state import State
+from agent.spec.provider import PRIVATE_WORKER_PORT, Address, Provider
+from agent.systemd import units
+from agent.worker.control import StartFailed, SystemdWorker
 from tests.fakes.fake_systemd import Behaviour, FakeSystemd
 from tests.unit.test_front import InProcessWorker, get, listener, shutdown
 
@@ -61,7 +62,7 @@ def test_the_worker_dropin_lifts_the_front_only_condition_for_them() -> None:
 
 
 def test_the_backoff_condition_names_the_front_backoff_file(runtime: Path) -> None:
-    from agent import paths
+    from agent.spec import paths
 
     assert str(paths.backoff_file("x")) == f"{runtime}/x.backoff"
     assert units.BACKOFF_FILE.replace("%i", "x") == str(paths.RUNTIME_DIR / "x.backoff")
@@ -200,7 +201,7 @@ def test_a_failed_start_is_saved_and_a_good_one_clears_it(runtime: Path) -> None
 
 
 def front_event(name: str) -> object:
-    from agent.state import Event
+    from agent.front.state import Event
 
     return Event[name]
 

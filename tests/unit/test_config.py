@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from agent import config, generator
-from agent.config import Config, GpuConfig, RouterConfig
-from agent.model import Address
+from agent.spec import settings as config
+from agent.spec.provider import Address
+from agent.spec.settings import Config, GpuConfig, RouterConfig
+from agent.systemd import generator
 
 
 def problems(text: str) -> list[str]:

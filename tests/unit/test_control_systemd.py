@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.control import StartFailed, SystemdWorker
-from agent.systemd import property_values
+from agent.systemd.bus import property_values
+from agent.worker.control import StartFailed, SystemdWorker
 from tests.fakes.fake_systemd import Behaviour, FakeSystemd
 
 UNIT = "provider-worker@demo.service"

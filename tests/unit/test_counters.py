@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from agent import counters
-from agent.counters import BUCKETS, Counters
-from agent.front import Front
-from agent.proxy import Unavailable
-from agent.state import State
+from agent.front.front import Front
+from agent.front.state import State
+from agent.net import counters
+from agent.net.counters import BUCKETS, Counters
+from agent.net.proxy import Unavailable
 from tests.unit.test_front import InProcessWorker, get, listener, provider, shutdown
 
 LOG = logging.getLogger("test")

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from agent import cli, manifest
+from agent.cli import main as cli
 from agent.export import kubernetes as k
 from agent.export.k8s_values import (
     cpu_quantity,
@@ -25,7 +25,8 @@ from agent.export.k8s_values import (
     object_name,
     python_only_regex,
 )
-from agent.model import Provider
+from agent.spec import manifest
+from agent.spec.provider import Provider
 from tests.cases.harness import CASE_HOST, REPO, write
 from tests.kubernetes.oracles import expand
 
@@ -488,9 +489,9 @@ def test_export_reads_only_the_spec_side() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True
     ).stdout.split()
     forbidden = {
-        "agent.front", "agent.proxy", "agent.http", "agent.router", "agent.sockio",
-        "agent.listeners", "agent.gpu", "agent.placement", "agent.admission",
-        "agent.gpu_admission", "agent.vram", "agent.control", "agent.worker",
+        "agent.front.front", "agent.net.proxy", "agent.net.http", "agent.router.router", "agent.net.sockio",
+        "agent.net.listeners", "agent.gpu.nvml", "agent.gpu.placement", "agent.gpu.admission",
+        "agent.front.gpu_hooks", "agent.gpu.vram", "agent.worker.control", "agent.worker.wrapper",
     }  # fmt: skip
     assert not forbidden & set(loaded), loaded
-    assert "agent.manifest" in loaded
+    assert "agent.spec.manifest" in loaded

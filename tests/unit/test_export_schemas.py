@@ -19,12 +19,12 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent import manifest
 from agent.export import kubernetes as k
 from agent.export import yamltext
 from agent.export.k8s_values import duration, is_dns_label
-from agent.model import Provider, fill_placeholders
-from agent.values import Host
+from agent.spec import manifest
+from agent.spec.provider import Provider, fill_placeholders
+from agent.spec.values import Host
 from tests.cases.harness import CASES, EXAMPLES
 from tests.kubernetes import schema
 from tests.kubernetes.oracles import expand

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.files import write_atomic
-from agent.footprint import Footprints
-from agent.gpu import GIB
+from agent.gpu.footprint import Footprints
+from agent.gpu.nvml import GIB
+from agent.spec.files import write_atomic
 
 
 def test_keeps_the_largest_peak_over_runs(tmp_path: Path) -> None:

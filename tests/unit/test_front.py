@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.control import DeviceRules, StartFailed
-from agent.front import Front
-from agent.model import Address, Provider
-from agent.state import State
+from agent.front.front import Front
+from agent.front.state import State
+from agent.spec.provider import Address, Provider
+from agent.worker.control import DeviceRules, StartFailed
 
 RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
@@ -251,7 +251,7 @@ def test_an_unpinned_provider_retires_when_idle() -> None:
 def test_the_preload_is_recorded_once_per_boot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from agent import preload
+    from agent.systemd import preload
 
     monkeypatch.setenv("PROVIDERD_RUNTIME_DIR", str(tmp_path))
     p = provider(preload=True)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from cases.harness import write
 
-from agent import generator, manifest, units
+from agent.spec import manifest
+from agent.systemd import generator, units
 
 GOOD = '[listen]\naddress = "127.0.0.1:{port}"\n[runtime]\ncommand = ["/opt/m", "--port", "{{port}}"]\n'
 

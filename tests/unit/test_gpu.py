@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from agent.gpu import (
+from agent.gpu.nvml import (
     GIB,
     MIB,
     DirNvml,
@@ -156,7 +156,7 @@ def test_without_pynvml_the_message_says_what_to_install(tmp_path: Path) -> None
     code = (
         "import sys, agent\n"
         "sys.modules['agent._vendor'] = None\n"
-        "from agent.gpu import RealNvml, NvmlUnavailable\n"
+        "from agent.gpu.nvml import RealNvml, NvmlUnavailable\n"
         "try:\n    RealNvml()\nexcept NvmlUnavailable as e:\n    print(e)\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{shadow}:{Path(__file__).parents[2]}"}

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from agent import rpc
-from agent.admission import (
+from agent.front.gpu_hooks import GpuAdmission
+from agent.gpu.admission import (
     AdmissionRefused,
     ControlPeers,
     Reservation,
@@ -25,11 +25,11 @@ from agent.admission import (
     holder_from_status,
     read_reservations,
 )
-from agent.footprint import Footprints
-from agent.gpu import GIB, FakeCard, FakeNvml
-from agent.gpu_admission import GpuAdmission
-from agent.model import Provider
-from agent.placement import Holder
+from agent.gpu.footprint import Footprints
+from agent.gpu.nvml import GIB, FakeCard, FakeNvml
+from agent.gpu.placement import Holder
+from agent.net import rpc
+from agent.spec.provider import Provider
 
 CARD = "GPU-0000"
 

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 from cases.harness import CASES, REPO, directives, write
 
-from agent import config, generator, manifest, values
-from agent.model import Provider
+from agent.spec import manifest, values
+from agent.spec import settings as config
+from agent.spec.provider import Provider
+from agent.systemd import generator
 
 GOOD = '[listen]\naddress = "127.0.0.1:18010"\n[runtime]\ncommand = ["/bin/true"]\n'
 HOSTILE = sorted(p for p in (CASES / "invalid").glob("*.toml") if directives(p, "expect"))

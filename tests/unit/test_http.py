@@ -1,4 +1,4 @@
-"""HTTP/1.1 framing: heads, body kinds, keep-alive, chunked bodies (agent.http)."""
+"""HTTP/1.1 framing: heads, body kinds, keep-alive, chunked bodies (agent.net.http)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from agent.http import (
+from agent.net.http import (
     MAX_HEADERS,
     ChunkedScanner,
     HttpError,

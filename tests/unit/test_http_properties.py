@@ -1,4 +1,4 @@
-"""Property tests of the request framing the front and the router read (agent.http).
+"""Property tests of the request framing the front and the router read (agent.net.http).
 
 Arbitrary and mutated bytes never raise anything but HttpError out of the parser, every
 refusal carries a status a client can be answered with, the chunked scanner finds the
@@ -15,7 +15,7 @@ import h11
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from agent.http import (
+from agent.net.http import (
     MAX_HEAD,
     ChunkedScanner,
     HttpError,
@@ -224,7 +224,7 @@ def test_a_head_at_the_limit_is_found_and_parsed() -> None:
 @example(b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel")
 @example(b"GET / HTTP/1.1\r\nHost: a\r\n\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\nG")
 def test_the_front_answers_any_bytes_with_statuses_and_never_fails(data: bytes) -> None:
-    """The whole data path (agent.proxy.serve_http against an echoing worker): whatever a
+    """The whole data path (agent.net.proxy.serve_http against an echoing worker): whatever a
     client sends and then half-closes, it gets zero or more complete responses with a
     status, the connection ends, and the connection's task never raises."""
     from tests.unit.test_proxy import Setup, echo_worker, run

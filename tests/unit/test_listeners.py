@@ -9,8 +9,8 @@ import socket
 
 import pytest
 
-from agent import listeners
-from agent.listeners import Listeners
+from agent.net import listeners
+from agent.net.listeners import Listeners
 
 
 class Exhausted:

@@ -9,7 +9,13 @@ import pytest
 
 from agent import log
 
-MODULES = ("agent.admission", "agent.vram", "agent.proxy", "agent.footprint", "agent.gpu_admission")
+MODULES = (
+    "agent.gpu.admission",
+    "agent.gpu.vram",
+    "agent.net.proxy",
+    "agent.gpu.footprint",
+    "agent.front.gpu_hooks",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -40,20 +46,20 @@ def test_warnings_go_through_the_handler_not_last_resort(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     log.setup(journal=False)
-    logging.getLogger("agent.vram").warning("Failed to sample VRAM")
+    logging.getLogger("agent.gpu.vram").warning("Failed to sample VRAM")
     lines = capsys.readouterr().err.splitlines()
     # logging.lastResort would print the bare message, without the logger's name.
-    assert len(lines) == 1 and lines[0].endswith(" agent.vram: Failed to sample VRAM")
+    assert len(lines) == 1 and lines[0].endswith(" agent.gpu.vram: Failed to sample VRAM")
 
 
 def test_verbose_and_a_second_setup_keep_one_handler(capsys: pytest.CaptureFixture[str]) -> None:
     log.setup(journal=False)
     log.setup(journal=False, verbose=True)
-    logging.getLogger("agent.proxy").debug("relay detail")
+    logging.getLogger("agent.net.proxy").debug("relay detail")
     logging.getLogger("some.library").info("library chatter")
     logging.getLogger("some.library").warning("library warning")
     err = capsys.readouterr().err.splitlines()
     assert [line.split(" ", 1)[1] for line in err] == [
-        "agent.proxy: relay detail",
+        "agent.net.proxy: relay detail",
         "some.library: library warning",
     ]

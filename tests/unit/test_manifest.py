@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from cases.harness import ANY_PATHS_HOST, CASE_HOST, CASES, EXAMPLES, directives, install, write
 
-from agent import keys, manifest, units, values
-from agent.model import Address, Provider, Ready
+from agent.spec import keys, manifest, values
+from agent.spec.provider import Address, Provider, Ready
+from agent.systemd import units
 
 INVALID = sorted((CASES / "invalid").glob("*.toml"))
 MINIMAL = '[listen]\naddress = "127.0.0.1:8008"\n[runtime]\ncommand = ["/bin/true"]\n'
@@ -409,9 +410,9 @@ def test_check_with_nothing_to_check(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 def test_docs_match_the_key_table() -> None:
     repo = CASES.parent.parent
-    hint = "regenerate with: python3 -m agent.keys --markdown > docs/manifest.md"
+    hint = "regenerate with: python3 -m agent.spec.keys --markdown > docs/manifest.md"
     assert (repo / "docs" / "manifest.md").read_text(encoding="utf-8") == keys.markdown(), hint
-    hint = "regenerate with: python3 -m agent.keys --man > docs/man/provider.toml.5"
+    hint = "regenerate with: python3 -m agent.spec.keys --man > docs/man/provider.toml.5"
     assert (repo / "docs" / "man" / "provider.toml.5").read_text(encoding="utf-8") == keys.man(), (
         hint
     )

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import counters, metrics, rpc
-from agent.counters import Counters
+from agent.metrics import service as metrics
+from agent.net import counters, rpc
+from agent.net.counters import Counters
 
 
 def parse(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

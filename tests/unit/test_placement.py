@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from agent.gpu import GIB, Card
-from agent.model import Provider
-from agent.placement import (
+from agent.gpu.nvml import GIB, Card
+from agent.gpu.placement import (
     Holder,
     Placement,
     Plan,
@@ -19,6 +18,7 @@ from agent.placement import (
     subtract_pending,
     worker_env,
 )
+from agent.spec.provider import Provider
 
 
 def provider(slug: str = "esm", **kw: object) -> Provider:

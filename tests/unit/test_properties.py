@@ -23,9 +23,11 @@ from cases.harness import CASE_HOST, environment, exec_argv, read_unit, unspecif
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from agent import config, manifest, units
-from agent.model import Address, Problem, Provider
-from agent.patterns import PatternError, compile_pattern
+from agent.spec import manifest
+from agent.spec import settings as config
+from agent.spec.patterns import PatternError, compile_pattern
+from agent.spec.provider import Address, Problem, Provider
+from agent.systemd import units
 
 SOURCE = Path("/etc/providerd/providers/prop.toml")
 SEEDS = seeds()

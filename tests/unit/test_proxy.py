@@ -1,4 +1,4 @@
-"""The data path on real loopback and unix sockets (agent.proxy).
+"""The data path on real loopback and unix sockets (agent.net.proxy).
 
 The front is replaced by `FakeBackend` (leases counted, readiness gated by an event);
 workers are small scripted asyncio servers; clients are raw sockets. Every test runs
@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from agent import proxy, sockio
-from agent.model import Address
-from agent.proxy import Unavailable, serve_http, serve_tcp
-from agent.upstream import Upstream
+from agent.net import proxy, sockio
+from agent.net.proxy import Unavailable, serve_http, serve_tcp
+from agent.net.upstream import Upstream
+from agent.spec.provider import Address
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

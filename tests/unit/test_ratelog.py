@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from agent import ratelog
-from agent.ratelog import RateLog
+from agent.net import ratelog
+from agent.net.ratelog import RateLog
 
 
 def test_a_burst_per_kind_then_one_line_counting_the_rest(

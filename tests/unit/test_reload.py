@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from cases.harness import values, write
 
-from agent import generator, reload, units
+from agent.systemd import generator, reload, units
 
 
 def manifest_text(port: int, *, enabled: bool = True, command: str = "/opt/m") -> str:
@@ -328,12 +328,12 @@ def test_verify_reports_what_systemd_analyze_finds(
     broken = tmp_path / "units"
     broken.mkdir()
     for t in ("provider@.socket", "provider-worker@.service"):
-        shutil.copyfile(Path(reload.__file__).parent.parent / "units" / t, broken / t)
+        shutil.copyfile(Path(reload.__file__).parents[2] / "units" / t, broken / t)
     (broken / "provider@.service").write_text(
         "[Service]\nType=notify\nExecStart=relative/path %i\n"
     )
     monkeypatch.setattr(reload, "templates_dir", lambda: broken)
-    from agent.model import Address, Provider
+    from agent.spec.provider import Address, Provider
 
     p = Provider(
         slug="x",

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from agent import router
-from agent.http import ChunkedScanner
-from agent.model import Address, Provider
-from agent.router import Refusal, Table, dechunk, model_of, quoted, target_address
+from agent.net.http import ChunkedScanner
+from agent.router import router
+from agent.router.router import Refusal, Table, dechunk, model_of, quoted, target_address
+from agent.spec.provider import Address, Provider
 
 
 def provider(slug: str, names: tuple[str, ...] = (), patterns: tuple[str, ...] = ()) -> Provider:

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from agent import ratelog, sockio
-from agent import router as router_module
-from agent.config import RouterConfig
-from agent.http import ChunkedScanner, find_head_end, parse_request_head
-from agent.model import Address, Provider
-from agent.router import Router, Table
+from agent.net import ratelog, sockio
+from agent.net.http import ChunkedScanner, find_head_end, parse_request_head
+from agent.router import router as router_module
+from agent.router.router import Router, Table
+from agent.spec.provider import Address, Provider
+from agent.spec.settings import RouterConfig
 
 Answer = Callable[[socket.socket, bytes], None]
 
@@ -236,7 +236,7 @@ class Client:
                 before = len(self.buf)
                 assert self._fill()
                 at = scanner.scan(self.buf, before, len(self.buf))
-            from agent.router import dechunk
+            from agent.router.router import dechunk
 
             body, self.buf = dechunk(self.buf, 0, at), self.buf[at:]
             return status, headers, body

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.state import TABLE, Action, Backoff, Event, State, step
+from agent.front.state import TABLE, Action, Backoff, Event, State, step
 
 S, E, A = State, Event, Action
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from agent import cli
-from agent.front import Front
-from agent.gpu import FAKE_ENV, GIB
-from agent.gpu_admission import GpuAdmission, cards_status
+from agent.cli import main as cli
+from agent.front.front import Front
+from agent.front.gpu_hooks import GpuAdmission, cards_status
+from agent.gpu.nvml import FAKE_ENV, GIB
 from tests.unit.test_front import InProcessWorker, provider
 
 ROOT = Path(__file__).resolve().parents[2]

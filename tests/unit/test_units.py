@@ -27,8 +27,9 @@ from cases.harness import (
     values,
 )
 
-from agent import generator, manifest, units
-from agent.model import Address, Provider
+from agent.spec import manifest
+from agent.spec.provider import Address, Provider
+from agent.systemd import generator, units
 
 GOLDEN = sorted((CASES / "golden").glob("*.toml"))
 UPDATE = os.environ.get("PROVIDERD_UPDATE_GOLDEN") == "1"
@@ -352,7 +353,7 @@ def test_host_network_workers_get_their_own_loopback_address() -> None:
 def test_generator_script_calls_main() -> None:
     script = (UNITS / "providerd-generator").read_text()
     assert script.startswith("#!/usr/bin/python3")
-    assert "from agent.generator import main" in script and "main(sys.argv[1:])" in script
+    assert "from agent.systemd.generator import main" in script and "main(sys.argv[1:])" in script
     assert os.access(UNITS / "providerd-generator", os.X_OK)
 
 

@@ -7,8 +7,8 @@ import socket
 
 import pytest
 
-from agent import upstream
-from agent.upstream import QueueFull, Upstream
+from agent.net import upstream
+from agent.net.upstream import QueueFull, Upstream
 
 
 def test_slots_pass_on_in_arrival_order_and_the_queue_is_bounded() -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.gpu import GIB, FakeCard, FakeNvml, GpuProcess, NvmlUnavailable
-from agent.vram import Enforcer, Overage, ProcFs, VramSampler, attribute
+from agent.gpu.nvml import GIB, FakeCard, FakeNvml, GpuProcess, NvmlUnavailable
+from agent.gpu.vram import Enforcer, Overage, ProcFs, VramSampler, attribute
 
 
 class FakeProc:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from agent import worker
-from agent.notify import notify
-from agent.worker import Failure, Options, Wrapper
+from agent.systemd.notify import notify
+from agent.worker import wrapper as worker
+from agent.worker.wrapper import Failure, Options, Wrapper
 
 
 def test_parse_command() -> None:
@@ -246,14 +246,22 @@ def test_quote_for_the_log() -> None:
 def test_wrapper_imports_nothing_heavy() -> None:
     """The start path stays cheap: no enum (signal, socket), asyncio, typing or dataclasses."""
     code = (
-        "import sys; before = set(sys.modules); import agent.worker; "
+        "import sys; before = set(sys.modules); import agent.worker.wrapper; "
         "print(' '.join(sorted(set(sys.modules) - before)))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()
-    assert "agent.worker" in out
-    for heavy in ("enum", "asyncio", "typing", "dataclasses", "socket", "signal", "agent.model"):
+    assert "agent.worker.wrapper" in out
+    for heavy in (
+        "enum",
+        "asyncio",
+        "typing",
+        "dataclasses",
+        "socket",
+        "signal",
+        "agent.spec.provider",
+    ):
         assert heavy not in out, heavy
 
 

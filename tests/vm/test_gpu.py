@@ -1,6 +1,6 @@
 """GPU providers under a real systemd and kernel, on two fake cards.
 
-NVML is `agent.gpu.DirNvml` (the workers, `tests/gpu/cuda_worker.py`, write what they
+NVML is `agent.gpu.nvml.DirNvml` (the workers, `tests/gpu/cuda_worker.py`, write what they
 hold to its directory); the device nodes are real nodes of NVIDIA's major with no
 driver, so an open gives ENXIO where the worker's device rules allow it and EPERM
 where the kernel refuses it. What the fronts do is the product's real systemd path:

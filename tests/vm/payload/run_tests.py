@@ -90,7 +90,7 @@ PROVIDERS = {
 }
 
 
-# GPU providers under systemd, on two fake cards: NVML is agent.gpu.DirNvml (the
+# GPU providers under systemd, on two fake cards: NVML is agent.gpu.nvml.DirNvml (the
 # workers write what they hold to its directory), the device nodes are real nodes of
 # NVIDIA's major with no driver behind them. So opening one gives ENXIO where the
 # worker's device rules allow it, and EPERM where the kernel's device cgroup refuses.
@@ -156,7 +156,7 @@ def setup_fake_gpus() -> None:
 @functools.cache
 def fake_nvml() -> Any:
     """One reader for the whole run: it times the release delay from the exit it first saw."""
-    from agent.gpu import DirNvml  # the installed package, as the fronts use it
+    from agent.gpu.nvml import DirNvml  # the installed package, as the fronts use it
 
     return DirNvml(Path(FAKE_NVML))
 

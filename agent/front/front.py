@@ -1,0 +1,744 @@
+"""The activated agent ("front"): holds connections, starts the worker once, proxies, releases.
+
+`Front` is the same object under systemd (`python3 -m agent.front SLUG`, socket-activated)
+and in the foreground (`providerctl serve`). One task owns the state (`agent.front.state`);
+connections, timers and control requests only send it events.
+
+What `ready()` does in each state (the contract every held connection relies on):
+- ready: returns the worker's address at once.
+- idle: starts the worker, then waits like `starting`.
+- starting / stopping: waits for the start (or for the stop, then a fresh start).
+- backoff: refuses at once with 503 and the time left before the next try.
+- more than `max_held` already waiting: refuses at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from agent.front import backoff as saved_backoff
+from agent.front.state import Action, Backoff, Event, State, step
+from agent.net import counters
+from agent.net.listeners import Listeners
+from agent.net.proxy import Unavailable, serve_http, serve_tcp
+from agent.net.upstream import Upstream
+from agent.spec.provider import Address, Provider
+from agent.systemd import preload
+from agent.systemd.units import worker_loopback
+from agent.worker.control import DeviceRules, StartFailed, WorkerControl
+
+# A new connection counts as in flight until its first request arrives, at most this long,
+# so an idle exit never closes a connection whose request is on its way.
+FIRST_REQUEST_GRACE_S = 5.0
+
+Notify = Callable[[str], object]
+
+
+class Admission:
+    """Decides where (and whether) a worker may start: the GPU's say. CPU providers: always."""
+
+    async def admit(self, front: Front) -> tuple[dict[str, str], DeviceRules | None]:
+        """Environment for the worker and its device rules (None: leave them alone)."""
+        return {}, None
+
+    async def started(self, front: Front) -> None:
+        """The worker answers: start watching it."""
+
+    async def released(self, front: Front) -> None:
+        """The worker is gone: give back what admission reserved."""
+
+    def status(self, front: Front) -> dict[str, Any]:
+        return {}
+
+
+class _Lease:
+    __slots__ = ("front", "held")
+
+    def __init__(self, front: Front, held: bool) -> None:
+        self.front = front
+        self.held = held
+        if held:
+            front._lease_begin()
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.front._lease_end()
+
+
+class _Connection:
+    """The Backend one client connection sees: the front, plus its first-request grace.
+
+    Until its first request arrives (at most FIRST_REQUEST_GRACE_S), a new connection
+    keeps an idle exit from closing it; it does not restart the idle timer.
+    """
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self.slug = front.provider.slug
+        self.request_timeout_s = front.provider.request_timeout_s
+        self.upstream = front.upstream
+        self.fresh = True
+        front.fresh += 1
+        self.timer = asyncio.get_running_loop().call_later(FIRST_REQUEST_GRACE_S, self.end_grace)
+
+    def end_grace(self) -> None:
+        if self.fresh:
+            self.fresh = False
+            self.timer.cancel()
+            self.front._fresh_end()
+
+    def lease(self, path: str | None) -> _Lease:
+        lease = self.front.lease(path)
+        self.end_grace()
+        return lease
+
+    async def ready(self) -> tuple[Address, int]:
+        return await self.front.ready()
+
+    def alive(self, generation: int) -> bool:
+        front = self.front
+        return front.state == State.READY and front.generation == generation
+
+    def waiting_for_start(self) -> int:
+        return len(self.front.waiters)
+
+    async def worker_gone(self, generation: int) -> str | None:
+        return await self.front.worker_gone(generation)
+
+
+class Front:
+    def __init__(
+        self,
+        provider: Provider,
+        worker: WorkerControl,
+        listeners: list[socket.socket],
+        *,
+        exit_on_idle: bool,
+        notify: Notify = lambda _s: None,
+        log: logging.Logger | None = None,
+        admission: Admission | None = None,
+        worker_port: int | None = None,
+        backoff_file: Path | None = None,
+    ) -> None:
+        self.provider = provider
+        self.worker = worker
+        self.listeners = listeners
+        self.exit_on_idle = exit_on_idle  # systemd: exit when idle; foreground: stop the worker
+        self.notify = notify
+        self.log = log or logging.getLogger(f"providerd.{provider.slug}")
+        self.admission = admission or Admission()
+
+        self.state = State.IDLE
+        self.in_flight = 0
+        self.fresh = 0  # connections whose first request has not arrived yet
+        self._idle_due = False  # the idle deadline passed while `fresh` connections waited
+        self.waiters: list[asyncio.Future[None]] = []
+        # Requests to the worker at once ([runtime] max_concurrency) and its kept connections.
+        self.upstream = Upstream(
+            provider.max_concurrency,
+            provider.max_held,
+            on_full=lambda: self.counters.count_refused("too_many_waiting"),
+        )
+        self.generation = 0
+        # The worker's port: fixed, or 0 to pick a free one at each start (foreground mode).
+        self.worker_port = provider.worker_port if worker_port is None else worker_port
+        # A host-network worker listens on its own loopback address (units.worker_loopback).
+        self.worker_host = (
+            worker_loopback(provider.slug) if provider.network == "host" else "127.0.0.1"
+        )
+        self.address = Address(self.worker_host, self.worker_port)
+        self.backoff_file = backoff_file  # systemd mode: the backoff outlives this front
+        self.served = 0
+        self.last_used = time.time()
+        self.last_start: dict[str, Any] | None = None
+        self.failure: str | None = None
+        self.failure_extra: dict[str, object] = {}  # more JSON for the 503 (GPU holders)
+        self.last_exit: tuple[int, str] | None = None  # (generation, why) of the last lost worker
+        self.backoff = Backoff()
+        self.backoff_until = 0.0
+        self.done = asyncio.Event()  # set when the front has released everything and should exit
+        self.counters = counters.load(provider.slug)  # where the last front left off
+        self._flush_timer: asyncio.TimerHandle | None = None
+
+        self.listening = Listeners(listeners, self._connection, self.log)
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._backoff_timer: asyncio.TimerHandle | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        self._start_began = 0.0
+        self._start_cause = ""
+        self._release_reason = ""
+        self._stopped = asyncio.Event()
+        self._stopped.set()
+        worker.on_exit(self._worker_exited)
+
+    # ------------------------------------------------------------------ accepting
+
+    def start_accepting(self) -> None:
+        self.listening.start()
+        self._arm_idle()
+
+    def stop_accepting(self) -> None:
+        """Stop accepting for good: what arrives now waits in the kernel for the next front."""
+        self.listening.stop()
+
+    def _connection(self, conn: socket.socket) -> None:
+        # The connection counts from now, not from when its task first runs: an idle
+        # decision in this same turn of the loop must see it.
+        backend = _Connection(self)
+        task = asyncio.get_running_loop().create_task(self._serve(conn, backend))
+        self._connections.add(task)
+        task.add_done_callback(self._connection_done)
+
+    def _connection_done(self, task: asyncio.Task[None]) -> None:
+        self._connections.discard(task)
+        self.listening.closed()
+
+    async def _serve(self, conn: socket.socket, backend: _Connection) -> None:
+        try:
+            if self.provider.protocol == "http":
+                await serve_http(conn, backend)
+            else:
+                await serve_tcp(conn, backend)
+        finally:
+            backend.end_grace()
+
+    # ------------------------------------------------------------------ leases
+
+    def lease(self, path: str | None) -> _Lease:
+        """One unit of in-flight work (a request, or a TCP connection)."""
+        held = path is None or path not in self.provider.idle_ignore_paths
+        return _Lease(self, held)
+
+    def _lease_begin(self) -> None:
+        self.in_flight += 1
+        self._idle_due = False
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        self._update_status()
+
+    def _lease_end(self) -> None:
+        self.in_flight -= 1
+        self.served += 1
+        self.counters.count_served()
+        self._flush_soon()
+        self.last_used = time.time()
+        if self.in_flight == 0:
+            self._arm_idle()
+        self._update_status()
+
+    def _arm_idle(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        if self.provider.pinned:
+            return  # held until stopped: never released on idle
+        self._idle_timer = asyncio.get_running_loop().call_later(
+            self.provider.idle_timeout_s, self._idle
+        )
+
+    def _fresh_end(self) -> None:
+        self.fresh -= 1
+        if self.fresh == 0 and self._idle_due:
+            self._idle()
+
+    def _idle(self) -> None:
+        self._idle_timer = None
+        if self.in_flight or self.waiters or self.state == State.STARTING:
+            return
+        if self.fresh:
+            self._idle_due = True  # decide once those connections have sent a request, or not
+            return
+        self._idle_due = False
+        idle_s = self.provider.idle_timeout_s
+        if self.state == State.READY:
+            self.counters.count_idle_release()
+        if self.exit_on_idle:
+            self.release(f"Idle for {idle_s:g} s, releasing the worker")
+        elif self.state == State.READY:
+            self._dispatch(Event.RELEASE, f"Idle for {idle_s:g} s, releasing the worker")
+
+    # ------------------------------------------------------------------ the worker
+
+    async def ready(self, cause: str = "request") -> tuple[Address, int]:
+        if self.state == State.READY:
+            return self.address, self.generation
+        if len(self.waiters) + self.upstream.waiting >= self.provider.max_held:
+            self.counters.count_refused("too_many_waiting")
+            raise Unavailable(
+                503,
+                f"too many requests waiting for the worker (max_held = {self.provider.max_held})",
+                retry_after_s=1,
+            )
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(future)
+        self._dispatch(Event.DEMAND, cause)
+        try:
+            await asyncio.shield(future)
+        except Unavailable:
+            if cause == "request":
+                gpu = "holders" in self.failure_extra
+                self.counters.count_refused("gpu_unavailable" if gpu else "start_failed")
+            raise
+        finally:
+            if future in self.waiters:
+                self.waiters.remove(future)
+        return self.address, self.generation
+
+    async def worker_gone(self, generation: int, wait_s: float = 1.0) -> str | None:
+        """Why worker `generation` went away, once its exit is known (waits up to `wait_s`):
+        a request it dropped is answered with the cause, an OOM kill for instance."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.last_exit is not None and self.last_exit[0] == generation:
+                return self.last_exit[1]
+            if self.generation != generation:
+                return None  # a newer worker runs: this one was released, not lost
+            await asyncio.sleep(0.02)
+        return None
+
+    def warm(self, cause: str = "warm") -> None:
+        """Start the worker with no request (`providerctl warm`, an activation)."""
+        self._dispatch(Event.DEMAND, cause)
+
+    def _unavailable(self) -> Unavailable:
+        retry = max(1.0, self.backoff_until - time.monotonic())
+        return Unavailable(
+            503, self.failure or "worker unavailable", retry_after_s=retry, extra=self.failure_extra
+        )
+
+    def release_worker(self, reason: str) -> None:
+        """Stop the worker now (over its VRAM budget, say); the next request starts it again."""
+        self._dispatch(Event.RELEASE, reason)
+
+    def _dispatch(self, event: Event, cause: str = "") -> None:
+        old = self.state
+        self.state, actions = step(old, event)
+        for action in actions:
+            if action == Action.START_WORKER:
+                self._start_cause = cause
+                self._spawn(self._start_worker())
+            elif action == Action.STOP_WORKER:
+                self._release_reason = cause
+                self._spawn(self._stop_worker())
+            elif action == Action.WAKE_WAITERS:
+                for future in self.waiters:
+                    if not future.done():
+                        future.set_result(None)
+                self.waiters.clear()
+            elif action == Action.FAIL_WAITERS:
+                error = self._unavailable()
+                for future in self.waiters:
+                    if not future.done():
+                        future.set_exception(error)
+                        future.exception()  # retrieved here; the waiter re-raises it
+                self.waiters.clear()
+            elif action == Action.ARM_BACKOFF:
+                self.failure = cause
+                delay = self.backoff.next_delay()
+                self.backoff_until = time.monotonic() + delay
+                if self._backoff_timer is not None:
+                    self._backoff_timer.cancel()
+                self._backoff_timer = asyncio.get_running_loop().call_later(
+                    delay, self._dispatch, Event.BACKOFF_OVER, "backoff over"
+                )
+                self._save_backoff()
+            elif action == Action.RESET_BACKOFF:
+                self.backoff.reset()
+                self.failure = None
+                self.failure_extra = {}
+                self._save_backoff()
+            elif action == Action.ARM_IDLE and self.in_flight == 0:
+                self._arm_idle()
+        if self.state == State.IDLE and self.waiters and self.listening.accepting:
+            self._dispatch(Event.DEMAND, "request")  # demands that waited out a stop
+        self._update_status()
+
+    async def _start_worker(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._start_began = loop.time()
+        self._stopped.clear()
+        waiting = len(self.waiters)
+        cause = (
+            f"on {self._start_cause}"
+            if self._start_cause in ("request", "activation")
+            else f"({self._start_cause})"
+        )
+        self.log.info(
+            "Starting worker %s%s", cause, f", {waiting} request(s) waiting" if waiting else ""
+        )
+        try:
+            port = self.worker_port or free_port()
+            self.address = Address(self.worker_host, port)
+            env, devices = await self.admission.admit(self)
+            env = {"PROVIDERD_WORKER_PORT": str(port), **env}
+            if self.worker_host != "127.0.0.1":
+                env["PROVIDERD_WORKER_HOST"] = self.worker_host
+            if self.backoff_file is not None:
+                saved_backoff.clear(self.backoff_file)  # else the worker's condition skips it
+            await asyncio.wait_for(
+                self.worker.start(env, devices), self.provider.start_timeout_s + 60
+            )
+        except Exception as e:  # any failure fails the start: held requests get a 503, never a hang
+            took = loop.time() - self._start_began
+            if isinstance(e, (StartFailed, Unavailable, TimeoutError, OSError)):
+                reason, tail = _describe_failure(e, self.provider.start_timeout_s)
+            else:  # a bug, or the bus: the details are for the journal, not for clients
+                self.log.error("Failed to start the worker: unexpected error", exc_info=e)
+                slug = self.provider.slug
+                reason = (
+                    f"internal error while starting the worker; see journalctl -u provider@{slug}"
+                )
+                tail = []
+            self.last_start = {"at": time.time(), "took_s": round(took, 3), "result": reason}
+            self._record_preload()
+            self.counters.count_start_failure()
+            self._flush()
+            if self.state != State.STARTING:
+                return  # released while starting: the stop reports
+            delay = min(self.backoff.cap_s, self.backoff.first_s * 2**self.backoff.failures)
+            self.log.error(
+                "Failed to start worker: %s; refusing requests for %g s%s",
+                reason,
+                delay,
+                "".join(f"\n  {line}" for line in tail),
+            )
+            await self.admission.released(self)
+            self._stopped.set()
+            body = getattr(e, "body", None)
+            if isinstance(body, dict):
+                reason = str(body.get("message", reason))
+                self.failure_extra = {
+                    k: v for k, v in body.items() if k not in ("error", "message")
+                }
+            else:
+                self.failure_extra = {}
+            self._dispatch(Event.START_FAILED, reason)
+            return
+        if self.state != State.STARTING:
+            await self.worker.stop()  # released while it started
+            return
+        took = loop.time() - self._start_began
+        self.generation += 1
+        self.last_start = {"at": time.time(), "took_s": round(took, 3), "result": "ready"}
+        self._record_preload()
+        self.counters.count_start(took)
+        self._flush()
+        self.log.info("Worker ready after %.1f s", took)
+        self._dispatch(Event.STARTED)
+        self._spawn(self.admission.started(self))
+
+    def _flush_soon(self) -> None:
+        if self._flush_timer is None:
+            self._flush_timer = asyncio.get_running_loop().call_later(counters.FLUSH_S, self._flush)
+
+    def _flush(self) -> None:
+        """Persist the counters now (worker started or stopped, the front exits)."""
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        counters.save(self.provider.slug, self.counters, self.log)
+
+    def _record_preload(self) -> None:
+        if self._start_cause == preload.CAUSE and self.last_start is not None:
+            preload.record(self.provider.slug, self.last_start, self.log)
+
+    async def _stop_worker(self) -> None:
+        began = asyncio.get_running_loop().time()
+        if self._release_reason:
+            self.log.info("%s", self._release_reason)
+        await self.worker.stop()
+        self.upstream.clear()
+        await self.admission.released(self)
+        self.log.info("Worker stopped after %.1f s", asyncio.get_running_loop().time() - began)
+        self._flush()
+        self._stopped.set()
+        self._dispatch(Event.STOPPED)
+
+    def _worker_exited(self, reason: str) -> None:
+        self.last_exit = (self.generation, reason)
+        self.upstream.clear()
+        if self.state == State.READY:
+            self.log.error("Worker exited unexpectedly: %s", reason)
+            self._spawn(self.admission.released(self))
+            self._stopped.set()
+        self._dispatch(Event.WORKER_EXITED, reason)
+
+    def _save_backoff(self) -> None:
+        if self.backoff_file is None:
+            return
+        try:
+            if self.backoff.failures:
+                saved = saved_backoff.Saved(
+                    self.backoff.failures,
+                    self.backoff_until,
+                    self.failure or "start failed",
+                    saved_backoff.manifest_key(self.provider),
+                )
+                saved_backoff.save(self.backoff_file, saved)
+            else:
+                saved_backoff.clear(self.backoff_file)
+        except OSError as e:
+            self.log.warning("Failed to keep the backoff in %s: %s, ignoring", self.backoff_file, e)
+
+    def restore_backoff(self, saved: saved_backoff.Saved) -> None:
+        """Go on with an earlier front's backoff (before accepting): refuse until it runs out."""
+        self.backoff.failures = saved.failures
+        self.failure = saved.reason
+        left = saved.until - time.monotonic()
+        if left <= 0:
+            return  # over: the next demand starts the worker
+        self.state = State.BACKOFF
+        self.backoff_until = saved.until
+        self._backoff_timer = asyncio.get_running_loop().call_later(
+            left, self._dispatch, Event.BACKOFF_OVER, "backoff over"
+        )
+        self.log.info(
+            "Worker unavailable after %d failed start(s) (%s); refusing requests for %.1f s more",
+            saved.failures,
+            saved.reason,
+            left,
+        )
+        self._update_status()
+
+    # ------------------------------------------------------------------ control
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            what = getattr(task.get_coro(), "__qualname__", "a background task")
+            self.log.error("Failed to finish %s", what, exc_info=task.exception())
+
+    def release(self, reason: str) -> None:
+        """Let go for good (systemd mode): stop accepting, say STOPPING, stop the worker, exit."""
+        self.stop_accepting()
+        self.notify(f"STOPPING=1\nSTATUS={reason}")
+        # Decided now, in this turn of the loop: nothing may be handed the worker after this.
+        if self.state in (State.READY, State.STARTING):
+            self._dispatch(Event.RELEASE, reason)
+        else:
+            self.log.info("%s", reason)
+        self._spawn(self._release())
+
+    async def _release(self) -> None:
+        await self._stopped.wait()
+        for task in list(self._connections):
+            task.cancel()
+        self._flush()
+        self.done.set()
+
+    async def stop(self, grace_s: float) -> dict[str, Any]:
+        """Release now, letting requests in flight finish within `grace_s`."""
+        if self.in_flight:
+            self.log.info("Stopping: waiting up to %g s for %d request(s)", grace_s, self.in_flight)
+            deadline = time.monotonic() + grace_s
+            while self.in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        cut = self.in_flight
+        reason = "Stopping on request" + (f", cutting {cut} request(s)" if cut else "")
+        if self.exit_on_idle:
+            self.release(reason)
+            await self.done.wait()
+        elif self.state in (State.READY, State.STARTING):
+            self._dispatch(Event.RELEASE, reason)
+            await self._stopped.wait()
+        self._flush()
+        return {"stopped": True, "cut": cut}
+
+    async def retire(self) -> dict[str, Any]:
+        """Give the card back for another provider, unless something is in flight."""
+        busy = self.in_flight + len(self.waiters)
+        if busy:
+            return {"retired": False, "busy": busy}
+        if self.provider.pinned:
+            return {"retired": False, "busy": 0, "pinned": True}
+        if self.state not in (State.READY, State.STARTING):
+            return {"retired": True}
+        reason = "Retiring the worker to make room on the GPU"
+        self.counters.count_retirement()
+        if self.exit_on_idle:
+            self.release(reason)
+        else:
+            self._dispatch(Event.RELEASE, reason)
+        await self._stopped.wait()
+        return {"retired": True}
+
+    async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The control socket's requests."""
+        op = request.get("op")
+        if op == "status":
+            return await self.status()
+        if op == "warm":
+            try:
+                await self.ready("warm")
+            except Unavailable as e:
+                return {"state": self.state.value, "error": e.error}
+            return {"state": self.state.value, "error": None}
+        if op == "stop":
+            return await self.stop(float(request.get("grace_s", self.provider.stop_timeout_s)))
+        if op == "retire":
+            return await self.retire()
+        return {"error": f"unknown op {op!r}"}
+
+    async def status(self) -> dict[str, Any]:
+        idle_for = None
+        if self.in_flight == 0 and self.state == State.READY:
+            idle_for = round(time.time() - self.last_used, 1)
+        retry = None
+        if self.state == State.BACKOFF:
+            retry = round(max(0.0, self.backoff_until - time.monotonic()), 1)
+        try:
+            memory = await asyncio.wait_for(self.worker.memory(), 2)
+        except Exception:
+            memory = {"current": None, "max": None}
+        return {
+            "slug": self.provider.slug,
+            "state": self.state.value,
+            "in_flight": self.in_flight,
+            "waiting": len(self.waiters) + self.upstream.waiting,
+            "to_worker": self.upstream.in_use,
+            "served": self.served,
+            "idle_for_s": idle_for,
+            "last_used": self.last_used,
+            "last_start": self.last_start,
+            "failure": self.failure,
+            "retry_after_s": retry,
+            "memory": memory,
+            "gpu": self.admission.status(self),
+            "pinned": self.provider.pinned,
+            "counters": self.counters.to_json(),
+        }
+
+    def _update_status(self) -> None:
+        if self.state == State.READY:
+            text = f"Serving: {self.in_flight} in flight, {self.served} served"
+        elif self.state == State.STARTING:
+            text = f"Loading the worker, {len(self.waiters)} request(s) waiting"
+        elif self.state == State.BACKOFF:
+            text = f"Worker unavailable ({self.failure}); next try after the backoff"
+        elif self.state == State.STOPPING:
+            text = "Releasing the worker"
+        else:
+            text = "Idle, worker not running"
+        self.notify(f"STATUS={text}")
+
+
+def free_port() -> int:
+    """A free loopback port for the worker (in the front's network namespace)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _describe_failure(e: BaseException, timeout_s: float) -> tuple[str, list[str]]:
+    if isinstance(e, StartFailed):
+        return e.reason, e.log_tail
+    if isinstance(e, Unavailable):
+        return e.error, []
+    if isinstance(e, TimeoutError):
+        return f"worker did not become ready within {timeout_s:g} s", []
+    return f"{e}", []
+
+
+# ---------------------------------------------------------------------------- systemd entry
+
+
+async def run_systemd(slug: str) -> int:
+    """The front as `provider@SLUG.service` runs it.
+
+    What decides the worker's start comes first; the control socket and signal handlers
+    are set up while the start is under way.
+    """
+    import signal
+
+    from agent.net import rpc
+    from agent.spec import paths
+    from agent.spec.manifest import ManifestError, load
+    from agent.systemd.bus import DbusSystemd
+    from agent.systemd.notify import notify
+    from agent.worker.control import SystemdWorker
+
+    log = logging.getLogger(f"providerd.{slug}")
+    try:
+        provider = load(slug)
+    except ManifestError as e:
+        for problem in e.problems:
+            log.error("Failed to load manifest: %s", problem)
+        return 1
+    from agent.systemd.activation import inherited_listeners
+
+    listeners = inherited_listeners()
+    bus = DbusSystemd()
+    await bus.connect()
+    backoff_file = paths.backoff_file(slug)
+    # While that file exists the worker's condition kept systemd from starting it.
+    with_front = provider.starts_with_front and not backoff_file.exists()
+    saved = None if with_front else saved_backoff.load(backoff_file, provider)
+    worker = SystemdWorker(bus, slug, provider.start_timeout_s, with_front=with_front)
+    front = Front(
+        provider,
+        worker,
+        listeners,
+        exit_on_idle=True,
+        notify=notify,
+        log=log,
+        admission=admission_for(provider, worker),
+        worker_port=provider.known_worker_port,
+        backoff_file=backoff_file,
+    )
+    if saved is not None:
+        front.restore_backoff(saved)
+    front.start_accepting()
+    notify("READY=1")
+    front.warm(preload.activation_cause(provider))  # a connection, a plain start, the boot
+    server = await rpc.serve(paths.control_socket(slug), front.handle)
+    loop = asyncio.get_running_loop()
+    grace = provider.stop_timeout_s
+    loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(front.stop(grace)))
+    await front.done.wait()
+    server.close()
+    bus.close()
+    return 0
+
+
+def admission_for(provider: Provider, worker: WorkerControl) -> Admission:
+    """GPU admission for GPU providers; CPU providers always fit."""
+    if not provider.uses_gpu:
+        return Admission()
+    from agent.front.gpu_hooks import GpuAdmission
+    from agent.spec import settings as config
+
+    try:
+        headroom = config.load().gpu.headroom_bytes
+    except config.ConfigError as e:
+        for problem in e.problems:
+            logging.getLogger("providerd").warning("%s; using the default GPU headroom", problem)
+        return GpuAdmission(provider, worker)
+    return GpuAdmission(provider, worker, headroom_bytes=headroom)
+
+
+def main(argv: list[str]) -> int:
+    from agent.log import setup
+
+    if len(argv) != 1:
+        print("usage: python3 -m agent.front SLUG", flush=True)
+        return 2
+    setup(journal=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        return asyncio.run(run_systemd(argv[0]))
+    return 0

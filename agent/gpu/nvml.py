@@ -1,0 +1,399 @@
+"""NVML behind one small interface.
+
+Everything providerd asks of the GPUs goes through `Nvml`: the cards (index, UUID,
+name, memory) and the compute processes on them with their memory. `RealNvml`
+talks to the driver through `pynvml` (a system copy first, else the one vendored
+in `agent._vendor`); `FakeNvml` models cards, processes, and the delay before the
+memory of an exited process shows as free, for hosts without a GPU.
+
+`open_nvml()` is what the rest of providerd calls. It returns a `DirNvml` instead
+when `PROVIDERD_NVML_FAKE` names a directory (see docs/gpu.md), so foreground tests
+with real worker processes can exercise admission and enforcement without a GPU.
+
+CPU providers never call any of this; for GPU providers a host without a usable
+driver gives `NvmlUnavailable("NVML is unavailable: <why>")`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+FAKE_ENV = "PROVIDERD_NVML_FAKE"
+
+
+class NvmlUnavailable(RuntimeError):
+    """NVML cannot be used on this host; the message says why."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"NVML is unavailable: {why}")
+        self.why = why
+
+
+@dataclass(frozen=True)
+class Card:
+    """One GPU as NVML reports it. Memory in bytes."""
+
+    index: int  # NVML index (PCI bus order)
+    uuid: str  # "GPU-…"; what CUDA_VISIBLE_DEVICES names
+    name: str
+    total: int
+    free: int
+    minor: int  # N of /dev/nvidiaN
+    bus_id: str = ""  # PCI bus id, e.g. "00000000:1B:00.0"
+
+    @property
+    def used(self) -> int:
+        return self.total - self.free
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """One compute process on one card, as NVML reports it."""
+
+    pid: int  # as NVML reports it (which PID namespace: see agent.gpu.vram)
+    card_uuid: str
+    used: int  # bytes; 0 when NVML cannot tell
+
+
+class Nvml(Protocol):
+    def cards(self) -> list[Card]: ...
+
+    def processes(self) -> list[GpuProcess]: ...
+
+    def close(self) -> None: ...
+
+
+def format_bytes(n: int) -> str:
+    """Bytes for people: GiB with one decimal, MiB below one GiB."""
+    if abs(n) >= GIB:
+        return f"{n / GIB:.1f} GiB"
+    return f"{n / MIB:.0f} MiB"
+
+
+# --- the real thing -------------------------------------------------------------
+
+# NVML return codes (nvml.h); pynvml exposes the same names.
+_ERR_NO_PERMISSION = 4
+_ERR_DRIVER_NOT_LOADED = 9
+_ERR_LIBRARY_NOT_FOUND = 12
+_ERR_NOT_SUPPORTED = 3
+
+_WHY = {
+    _ERR_LIBRARY_NOT_FOUND: "libnvidia-ml.so.1 was not found; install the NVIDIA driver",
+    _ERR_DRIVER_NOT_LOADED: "the NVIDIA kernel driver is not loaded (is there an NVIDIA GPU?)",
+    _ERR_NO_PERMISSION: "permission denied opening the NVIDIA devices",
+}
+
+
+def load_pynvml() -> ModuleType:
+    """The system `pynvml`, else the vendored copy; NvmlUnavailable if neither."""
+    try:
+        import pynvml
+
+        return pynvml  # type: ignore[no-any-return,unused-ignore]
+    except ImportError:
+        pass
+    try:
+        from agent._vendor import pynvml as vendored  # type: ignore[attr-defined,unused-ignore]
+
+        return vendored  # type: ignore[no-any-return,unused-ignore]
+    except ImportError:
+        raise NvmlUnavailable(
+            "the pynvml module is not installed (install python3-pynvml or nvidia-ml-py)"
+        ) from None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RealNvml:
+    """NVML through pynvml. Construct once per process that needs it; `close()` at the end."""
+
+    def __init__(self, module: ModuleType | None = None) -> None:
+        self._nv = module if module is not None else load_pynvml()
+        try:
+            self._nv.nvmlInit()
+        except self._nv.NVMLError as e:
+            raise NvmlUnavailable(self._why(e)) from None
+        except OSError as e:  # a broken library file
+            raise NvmlUnavailable(f"loading libnvidia-ml.so.1 failed: {e}") from None
+        self._open = True
+
+    def _why(self, error: Exception) -> str:
+        code = getattr(error, "value", None)
+        return _WHY.get(code, str(error)) if isinstance(code, int) else str(error)
+
+    def _handles(self) -> list[Any]:
+        try:
+            return [
+                self._nv.nvmlDeviceGetHandleByIndex(i) for i in range(self._nv.nvmlDeviceGetCount())
+            ]
+        except self._nv.NVMLError as e:
+            raise NvmlUnavailable(f"listing the GPUs failed: {self._why(e)}") from None
+
+    def cards(self) -> list[Card]:
+        nv = self._nv
+        out = []
+        for i, h in enumerate(self._handles()):
+            try:
+                uuid = _text(nv.nvmlDeviceGetUUID(h))
+                mem = nv.nvmlDeviceGetMemoryInfo(h)
+                name = _text(nv.nvmlDeviceGetName(h))
+            except nv.NVMLError as e:
+                raise NvmlUnavailable(f"reading GPU {i} failed: {self._why(e)}") from None
+            try:
+                minor = int(nv.nvmlDeviceGetMinorNumber(h))
+            except nv.NVMLError:
+                minor = i
+            try:
+                bus_id = _text(nv.nvmlDeviceGetPciInfo(h).busId)
+            except nv.NVMLError:
+                bus_id = ""
+            total = int(mem.total)
+            out.append(Card(i, uuid, name, total, int(mem.free), minor, bus_id))
+        return out
+
+    def processes(self) -> list[GpuProcess]:
+        nv = self._nv
+        out = []
+        for i, h in enumerate(self._handles()):
+            try:
+                uuid = _text(nv.nvmlDeviceGetUUID(h))
+                procs = nv.nvmlDeviceGetComputeRunningProcesses(h)
+            except nv.NVMLError as e:
+                raise NvmlUnavailable(
+                    f"listing the processes on GPU {i} failed: {self._why(e)}"
+                ) from None
+            for p in procs:
+                used = p.usedGpuMemory
+                out.append(GpuProcess(int(p.pid), uuid, int(used) if used is not None else 0))
+        return out
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            with contextlib.suppress(self._nv.NVMLError):
+                self._nv.nvmlShutdown()
+
+
+def pid_exists(pid: int) -> bool:
+    """Whether a process exists, also one this process may not see in /proc or signal."""
+    if pid <= 0:
+        return False  # kill() would mean a process group
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def open_nvml() -> Nvml:
+    """The NVML providerd uses: `DirNvml` when PROVIDERD_NVML_FAKE is set, else `RealNvml`."""
+    fake = os.environ.get(FAKE_ENV)
+    if fake:
+        return DirNvml(Path(fake))
+    return RealNvml()
+
+
+# --- fakes ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FakeCard:
+    index: int
+    uuid: str
+    total: int
+    name: str = "Fake GPU"
+    minor: int | None = None  # defaults to the index
+    reserved: int = 0  # memory the driver keeps (never free)
+    bus_id: str = ""
+
+
+class FakeNvml:
+    """Cards and processes in memory, with the delay before freed memory shows.
+
+    `allocate(pid, uuid, nbytes)` sets a process's usage on a card; `exit(pid)`
+    ends it: its memory and its entry stay visible for `release_delay_s` (the
+    H200 showed 0.11 s), as NVML does. `clock` is injectable for tests.
+    """
+
+    def __init__(
+        self,
+        cards: Sequence[FakeCard],
+        *,
+        release_delay_s: float = 0.11,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._cards = list(cards)
+        self.release_delay_s = release_delay_s
+        self._clock = clock
+        self._usage: dict[tuple[int, str], int] = {}
+        self._exited: dict[int, float] = {}
+        self.failure: str | None = None
+        self.calls = 0
+        self.closed = False
+
+    def allocate(self, pid: int, uuid: str, nbytes: int) -> None:
+        if not any(c.uuid == uuid for c in self._cards):
+            raise KeyError(uuid)
+        self._usage[(pid, uuid)] = nbytes
+        self._exited.pop(pid, None)
+
+    def exit(self, pid: int) -> None:
+        if any(p == pid for p, _ in self._usage):
+            self._exited.setdefault(pid, self._clock())
+
+    def fail(self, why: str | None) -> None:
+        """Make every later call raise NvmlUnavailable(why); None heals."""
+        self.failure = why
+
+    def _live(self) -> dict[tuple[int, str], int]:
+        now = self._clock()
+        for pid, at in list(self._exited.items()):
+            if now - at >= self.release_delay_s:
+                del self._exited[pid]
+                for key in [k for k in self._usage if k[0] == pid]:
+                    del self._usage[key]
+        return self._usage
+
+    def _check(self) -> None:
+        self.calls += 1
+        if self.failure is not None:
+            raise NvmlUnavailable(self.failure)
+
+    def cards(self) -> list[Card]:
+        self._check()
+        usage = self._live()
+        out = []
+        for c in self._cards:
+            used = c.reserved + sum(n for (_, u), n in usage.items() if u == c.uuid)
+            minor = c.index if c.minor is None else c.minor
+            free = max(0, c.total - used)
+            out.append(Card(c.index, c.uuid, c.name, c.total, free, minor, c.bus_id))
+        return out
+
+    def processes(self) -> list[GpuProcess]:
+        self._check()
+        return [GpuProcess(pid, uuid, n) for (pid, uuid), n in sorted(self._live().items())]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class DirNvml:
+    """A fake NVML kept in a directory, shared by separate processes.
+
+    `<dir>/cards.json`: `[{"uuid": "GPU-…", "total": bytes, "name": "…", "bus_id": "…"}, …]`
+    (name and bus_id optional).
+    A process "allocates" by writing `<dir>/procs/<pid>.json`:
+    `{"uuid": "GPU-…", "bytes": n}` (write it atomically). Memory of a process that
+    no longer exists shows as freed `release_delay_s` after this reader first
+    notices, as on a real card.
+    """
+
+    def __init__(self, directory: Path, *, release_delay_s: float = 0.11) -> None:
+        self.directory = directory
+        self.release_delay_s = release_delay_s
+        self._dead_since: dict[int, float] = {}
+        try:
+            raw = json.loads((directory / "cards.json").read_text())
+            self._cards = [
+                FakeCard(
+                    i,
+                    str(c["uuid"]),
+                    int(c["total"]),
+                    str(c.get("name", "Fake GPU")),
+                    bus_id=str(c.get("bus_id", "")),
+                )
+                for i, c in enumerate(raw)
+            ]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise NvmlUnavailable(f"the fake NVML in {directory} is unreadable: {e}") from None
+
+    def _usage(self) -> list[GpuProcess]:
+        out = []
+        now = time.monotonic()
+        try:
+            entries = sorted((self.directory / "procs").glob("*.json"))
+        except OSError:
+            entries = []
+        for f in entries:
+            try:
+                pid = int(f.stem)
+                data = json.loads(f.read_text())
+                proc = GpuProcess(pid, str(data["uuid"]), int(data["bytes"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if not pid_exists(pid):
+                since = self._dead_since.setdefault(pid, now)
+                if now - since >= self.release_delay_s:
+                    with contextlib.suppress(OSError):  # another user's file: just skip it
+                        f.unlink()
+                    continue
+            out.append(proc)
+        return out
+
+    def cards(self) -> list[Card]:
+        usage = self._usage()
+        out = []
+        for c in self._cards:
+            used = sum(p.used for p in usage if p.card_uuid == c.uuid)
+            free = max(0, c.total - used)
+            out.append(Card(c.index, c.uuid, c.name, c.total, free, c.index, c.bus_id))
+        return out
+
+    def processes(self) -> list[GpuProcess]:
+        return self._usage()
+
+    def close(self) -> None:
+        pass
+
+
+def gpu_status(nvml: Nvml, reservations: Sequence[Any] = ()) -> list[dict[str, Any]]:
+    """Card-level facts for `providerctl status`: one dict per card.
+
+    `reservations` are `agent.gpu.admission.Reservation`-like objects (`slug`,
+    `cards`, `need_bytes`) read from the runtime directory; they say which
+    provider holds or is starting on which card.
+    """
+    cards = nvml.cards()
+    procs = nvml.processes()
+    out = []
+    for c in cards:
+        out.append(
+            {
+                "index": c.index,
+                "uuid": c.uuid,
+                "name": c.name,
+                "total_bytes": c.total,
+                "free_bytes": c.free,
+                "used_bytes": c.used,
+                "processes": [
+                    {"pid": p.pid, "used_bytes": p.used} for p in procs if p.card_uuid == c.uuid
+                ],
+                "held_by": [
+                    {"slug": r.slug, "need_bytes": r.need_bytes}
+                    for r in reservations
+                    if c.uuid in r.cards
+                ],
+            }
+        )
+    return out
+
+
+def with_free(card: Card, free: int) -> Card:
+    return replace(card, free=max(0, free))

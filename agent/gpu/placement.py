@@ -1,0 +1,284 @@
+"""GPU placement and admission planning. Pure: no I/O, no clock.
+
+Given the cards as NVML shows them (less what starting workers have reserved),
+the other providers that hold GPU memory, and what this provider needs, decide:
+start now on these cards, retire these idle providers first, or refuse with who
+holds the cards and why each was not retired.
+
+Who may be retired (`retirable`): a provider with nothing in flight, not pinned,
+whose `[gpu] priority` is not above the asking provider's. Lowest priority goes
+first, least recently used first among equals.
+
+Memory figures are per card: a provider with `count = 2` needs `need` bytes on
+each of its two cards. `vram_budget_gb` is in GiB (2**30 bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from agent.gpu.nvml import GIB, Card, format_bytes
+from agent.spec.provider import Provider
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Another provider that holds (or is starting on) GPU memory."""
+
+    slug: str
+    gpus: tuple[str, ...]  # card UUIDs
+    vram_bytes: int  # bytes it holds on each of those cards
+    busy: int  # requests in flight; > 0 means it is never retired
+    last_used: float  # when it last served a request; any clock, the same for all holders
+    priority: int = 0  # `[gpu] priority`: only a provider of equal or higher priority retires it
+    pinned: bool = False  # `[runtime] pinned`: never retired
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The card(s) a worker runs on; empty for `devices = "none"`."""
+
+    cards: tuple[Card, ...] = ()
+
+    @property
+    def uuids(self) -> tuple[str, ...]:
+        return tuple(c.uuid for c in self.cards)
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(c.index for c in self.cards)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Admission says yes: retire `victims` (in order) first, then start on `placement`."""
+
+    placement: Placement
+    victims: tuple[str, ...]  # slugs, least recently used first; empty: start now
+    need_bytes: int  # per card, headroom included
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Admission says no, for now or (`permanent`) for good."""
+
+    message: str
+    holders: tuple[tuple[str, int], ...] = ()  # (slug, requests in flight) on the cards wanted
+    permanent: bool = False  # waiting cannot help (no such card, card too small)
+    kept: tuple[tuple[str, str], ...] = ()  # (slug, why it was not retired), for those that say
+
+    def body(self) -> dict[str, Any]:
+        """The JSON of the 503 for held requests: names and busy counts, no paths or addresses."""
+        why = dict(self.kept)
+        return {
+            "error": "gpu_unavailable",
+            "message": self.message,
+            "holders": [
+                {"slug": slug, "busy": busy > 0, "requests_in_flight": busy}
+                | ({"kept": why[slug]} if slug in why else {})
+                for slug, busy in self.holders
+            ],
+        }
+
+
+Admission = Plan | Refusal
+
+
+def budget_bytes(provider: Provider) -> int | None:
+    """The manifest's `vram_budget_gb` in bytes, or None."""
+    if provider.vram_budget_gb is None:
+        return None
+    return round(provider.vram_budget_gb * GIB)
+
+
+def need_bytes(provider: Provider, measured_peak: int | None) -> int:
+    """Per card: the larger of the declared budget and the largest measured footprint."""
+    return max(budget_bytes(provider) or 0, measured_peak or 0)
+
+
+def subtract_pending(cards: Sequence[Card], pending: Mapping[str, int]) -> list[Card]:
+    """Cards with memory reserved by starting workers (not yet shown by NVML) taken off."""
+    return [replace(c, free=max(0, c.free - pending.get(c.uuid, 0))) for c in cards]
+
+
+def device_allow(placement: Placement) -> list[tuple[str, str]]:
+    """The worker's `DeviceAllow=` entries for its cards (send an empty list first to replace).
+
+    Paths, not the `char-nvidia` class, which matches every card. `/dev/nvidia-uvm` is
+    shared by all cards; the class `char-nvidia-uvm` is listed as well because its node
+    may be created after the worker's cgroup is set up, and path rules for missing nodes
+    are skipped. Empty for `devices = "none"`: with the unit's `DevicePolicy=closed` the
+    worker sees no GPU.
+    """
+    if not placement.cards:
+        return []
+    rules = [("/dev/nvidiactl", "rw"), ("/dev/nvidia-uvm", "rw"), ("char-nvidia-uvm", "rw")]
+    rules += [(f"/dev/nvidia{c.minor}", "rw") for c in placement.cards]
+    return rules
+
+
+def worker_env(placement: Placement) -> dict[str, str]:
+    """The worker's GPU environment (written to worker.env before each start).
+
+    `devices = "none"` gives `CUDA_VISIBLE_DEVICES=` (empty): CUDA then sees no device,
+    also in foreground mode where no device rules apply.
+    """
+    return {
+        "CUDA_VISIBLE_DEVICES": ",".join(placement.uuids),
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    }
+
+
+def _resolve(provider: Provider, cards: Sequence[Card]) -> tuple[list[Card], int, bool] | Refusal:
+    """Candidate cards, how many to take, and whether all candidates must be taken."""
+    devices = provider.gpu_devices
+    if devices == "auto":
+        if provider.gpu_count > len(cards):
+            return Refusal(
+                f"{provider.slug} asks for {provider.gpu_count} GPUs but this host has {len(cards)}.",
+                permanent=True,
+            )
+        return list(cards), provider.gpu_count, False
+    assert devices != "none"
+    pinned: list[Card] = []
+    for want in devices:
+        if isinstance(want, int):
+            match = [c for c in cards if c.index == want]
+        else:
+            match = [c for c in cards if c.uuid.lower() == want.lower()]
+        if not match:
+            have = ", ".join(str(c.index) for c in cards) or "none"
+            return Refusal(
+                f"{provider.slug} is pinned to GPU {want}, which this host does not have (cards: {have}).",
+                permanent=True,
+            )
+        if match[0] not in pinned:
+            pinned.append(match[0])
+    return pinned, len(pinned), True
+
+
+def _choose(
+    candidates: Sequence[Card], free: Mapping[str, int], need: int, k: int, take_all: bool
+) -> tuple[Card, ...] | None:
+    fitting = [c for c in candidates if free[c.uuid] >= need]
+    if take_all:
+        return tuple(candidates) if len(fitting) == len(candidates) else None
+    if len(fitting) < k:
+        return None
+    fitting.sort(key=lambda c: (-free[c.uuid], c.index))
+    return tuple(sorted(fitting[:k], key=lambda c: c.index))
+
+
+def plan_admission(
+    provider: Provider,
+    need: int,
+    cards: Sequence[Card],
+    holders: Sequence[Holder],
+    headroom: int,
+) -> Admission:
+    """Decide where `provider` starts and whom to retire first.
+
+    `need`: bytes per card (see `need_bytes`); `cards`: as NVML shows them, less pending
+    reservations; `holders`: the other providers holding GPU memory. `devices = "auto"`
+    takes the `count` cards with the most free memory that fit; pinned devices must all fit.
+    """
+    if not provider.uses_gpu:
+        return Plan(Placement(), (), 0)
+    want = need + headroom
+    resolved = _resolve(provider, cards)
+    if isinstance(resolved, Refusal):
+        return resolved
+    candidates, k, take_all = resolved
+    big_enough = [c for c in candidates if c.total >= want]
+    if len(big_enough) < (len(candidates) if take_all else k):
+        largest = max((c.total for c in candidates), default=0)
+        return Refusal(
+            f"{provider.slug} needs {format_bytes(want)} of GPU memory per card "
+            f"({format_bytes(need)} + {format_bytes(headroom)} headroom), "
+            f"more than its card{'s' if k > 1 else ''} hold{'' if k > 1 else 's'} "
+            f"({format_bytes(largest)}).",
+            permanent=True,
+        )
+
+    free = {c.uuid: c.free for c in candidates}
+    chosen = _choose(candidates, free, want, k, take_all)
+    if chosen is not None:
+        return Plan(Placement(chosen), (), want)
+
+    wanted = {c.uuid for c in candidates}
+    idle = sorted(
+        (h for h in holders if wanted.intersection(h.gpus) and kept_because(provider, h) is None),
+        key=lambda h: (h.priority, h.last_used, h.slug),
+    )
+    projected = dict(free)
+    taken: list[Holder] = []
+    for h in idle:
+        taken.append(h)
+        for g in h.gpus:
+            if g in projected:
+                projected[g] += h.vram_bytes
+        chosen = _choose(candidates, projected, want, k, take_all)
+        if chosen is not None:
+            return Plan(Placement(chosen), _prune(taken, chosen, free, want), want)
+
+    on_cards = [h for h in holders if wanted.intersection(h.gpus)]
+    kept = tuple(
+        (h.slug, why)
+        for h in sorted(on_cards, key=lambda h: h.slug)
+        if (why := kept_because(provider, h)) is not None
+    )
+    return Refusal(
+        _busy_message(provider, want, candidates, on_cards), _summary(on_cards), kept=kept
+    )
+
+
+def kept_because(provider: Provider, holder: Holder) -> str | None:
+    """Why `holder` may not be retired to make room for `provider`; None when it may."""
+    if holder.busy:
+        return f"busy, {holder.busy} in flight"
+    if holder.pinned:
+        return "pinned"
+    if holder.priority > provider.gpu_priority:
+        return f"priority {holder.priority}, above {provider.gpu_priority}"
+    return None
+
+
+def _prune(
+    taken: Sequence[Holder], chosen: Sequence[Card], free: Mapping[str, int], want: int
+) -> tuple[str, ...]:
+    """The fewest victims that still make `chosen` fit, dropping the most recently used first."""
+    uuids = {c.uuid for c in chosen}
+    victims = [h for h in taken if uuids.intersection(h.gpus)]
+
+    def fits(vs: Sequence[Holder]) -> bool:
+        return all(free[u] + sum(h.vram_bytes for h in vs if u in h.gpus) >= want for u in uuids)
+
+    for h in reversed(list(victims)):
+        rest = [v for v in victims if v is not h]
+        if fits(rest):
+            victims = rest
+    return tuple(h.slug for h in victims)
+
+
+def _summary(holders: Sequence[Holder]) -> tuple[tuple[str, int], ...]:
+    return tuple((h.slug, h.busy) for h in sorted(holders, key=lambda h: h.slug))
+
+
+def _busy_message(
+    provider: Provider, want: int, candidates: Sequence[Card], holders: Sequence[Holder]
+) -> str:
+    parts = []
+    for c in candidates:
+        on = [h for h in holders if c.uuid in h.gpus]
+        who = ", ".join(f"{h.slug} ({kept_because(provider, h) or 'idle'})" for h in on)
+        parts.append(
+            f"GPU {c.index} has {format_bytes(c.free)} free"
+            + (f", held by {who}" if who else ", used by processes outside providerd")
+        )
+    return (
+        f"Not enough GPU memory for {provider.slug}: it needs {format_bytes(want)} per card; "
+        + "; ".join(parts)
+        + "."
+    )

@@ -1,0 +1,141 @@
+"""The accept side of a socket-activated service (a front, the router).
+
+Accepts in batches from the listening sockets and hands each connection over at once,
+in the accept callback itself, so whoever decides an idle exit in the same turn of the
+event loop already sees it. Stopping is for good: our copies of the sockets are closed
+(never `shutdown()`: PID 1 shares them), and what arrives next waits in the kernel's
+queue for the next activation.
+
+Bounded: at most `max_connections` client connections at once (systemd-socket-proxyd's
+`--connections-max`); beyond that, accepting pauses until one closes and new clients wait
+in the kernel's queue. When the process runs out of file descriptors (EMFILE, ENFILE),
+accepting pauses for PAUSE_S, once logged, instead of spinning on the error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import resource
+import socket
+from collections.abc import Callable
+
+from agent.net.ratelog import RateLog
+
+MAX_CONNECTIONS = 16384
+FD_RESERVE = 64  # descriptors kept for the worker connections, the control socket, logs
+PAUSE_S = 0.5  # after EMFILE/ENFILE (nginx waits as long)
+OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def connection_cap(reserve: int = FD_RESERVE) -> int:
+    """MAX_CONNECTIONS, or fewer when the file descriptor limit is lower."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(8, min(MAX_CONNECTIONS, soft - reserve))
+
+
+class Listeners:
+    def __init__(
+        self,
+        sockets: list[socket.socket],
+        on_connection: Callable[[socket.socket], None],
+        log: logging.Logger,
+        max_connections: int | None = None,
+    ) -> None:
+        self.sockets = sockets
+        self.on_connection = on_connection
+        self.log = log
+        self.max_connections = max_connections or connection_cap()
+        self.accepting = False  # until stop(): paused or not
+        self.open = 0  # connections handed over and not yet closed()
+        self._registered = False
+        self._pause: asyncio.TimerHandle | None = None
+        self._full_log = RateLog(log, interval_s=60.0, burst=1)
+        self._fds_logged = False
+
+    def start(self) -> None:
+        for sock in self.sockets:
+            sock.setblocking(False)
+        self.accepting = True
+        self._register()
+
+    def _register(self) -> None:
+        if self._registered or not self.accepting:
+            return
+        loop = asyncio.get_running_loop()
+        for sock in self.sockets:
+            loop.add_reader(sock.fileno(), self.accept, sock)
+        self._registered = True
+
+    def _unregister(self) -> None:
+        if not self._registered:
+            return
+        loop = asyncio.get_running_loop()
+        for sock in self.sockets:
+            loop.remove_reader(sock.fileno())
+        self._registered = False
+
+    def stop(self) -> None:
+        """Stop accepting for good."""
+        if not self.accepting:
+            return
+        self._unregister()
+        self.accepting = False
+        if self._pause is not None:
+            self._pause.cancel()
+            self._pause = None
+        for sock in self.sockets:
+            sock.close()  # our copy only; never shutdown(): PID 1 shares the socket
+
+    def closed(self) -> None:
+        """A connection handed over has closed: accept again if the cap had paused it."""
+        self.open -= 1
+        if self.open < self.max_connections and self._pause is None and self.accepting:
+            self._register()
+
+    def _resume(self) -> None:
+        self._pause = None
+        if self.open < self.max_connections:
+            self._register()
+
+    def accept(self, sock: socket.socket) -> None:
+        for _ in range(64):
+            if self.open >= self.max_connections:
+                self._unregister()
+                self._full_log.log(
+                    "cap",
+                    "Reached %d client connections, not accepting more until one closes",
+                    self.open,
+                )
+                return
+            try:
+                conn, _peer = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in OUT_OF_FDS:
+                    self._unregister()
+                    self._pause = asyncio.get_running_loop().call_later(PAUSE_S, self._resume)
+                    if not self._fds_logged:
+                        self.log.warning(
+                            "Failed to accept connection: %s; pausing accepting for %g s "
+                            "(%d connections open)",
+                            e.strerror or e,
+                            PAUSE_S,
+                            self.open,
+                        )
+                        self._fds_logged = True
+                    return
+                self.log.warning("Failed to accept connection: %s, ignoring", e)
+                return
+            if self._fds_logged:
+                self.log.info("Accepting connections again (%d open)", self.open)
+                self._fds_logged = False
+            conn.setblocking(False)
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.open += 1
+            self.on_connection(conn)

@@ -1,0 +1,115 @@
+"""What the router refuses because a web page could have sent it.
+
+Any page a user opens can make the browser send a "simple" request to
+`127.0.0.1:8100` without asking the server first (no CORS preflight): a POST whose
+body is `text/plain`, a form, or untyped. And a page on a domain its owner points at
+127.0.0.1 (DNS rebinding) can even read the answers. So the router accepts a request
+only when:
+- its `Host` names this machine: an IP address, `localhost` (or `*.localhost`), this
+  host's own name, or the host of one of the router's configured addresses — never
+  another domain name;
+- an `Origin`, if sent, names such a host too (`null` is refused);
+- a request with a body declares it JSON (`application/json` or `application/*+json`):
+  a browser sends that type cross-origin only after a preflight, which the router never
+  answers.
+
+`check()` returns what to refuse with, as (status, message, code): 403 or 415. Pure but
+for reading the host's name once.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+from collections.abc import Iterable
+
+from agent.net.http import RequestHead
+from agent.spec.provider import Address
+
+HOST_MAX = 255
+Refused = tuple[int, str, str]  # status, message, code
+
+
+def _host_part(authority: str) -> str:
+    """`host` of `host[:port]` or `[v6]:port`, lower-case."""
+    authority = authority.strip().lower()
+    if authority.startswith("["):
+        end = authority.find("]")
+        return authority[1:end] if end > 0 else authority
+    host, sep, port = authority.rpartition(":")
+    if sep and port.isdigit():
+        return host
+    return authority
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class OriginCheck:
+    def __init__(self, addresses: Iterable[Address], names: Iterable[str] | None = None) -> None:
+        if names is None:
+            names = {socket.gethostname(), socket.getfqdn()}
+        self.names = {n.lower().rstrip(".") for n in names if n}
+        self.names.update(
+            a.host.lower() for a in addresses if a.host is not None and not _is_ip(a.host)
+        )
+        self.names.add("localhost")
+
+    def local(self, host: str) -> bool:
+        """A Host or Origin host a web page cannot have chosen for us."""
+        host = host.rstrip(".")
+        if not host or len(host) > HOST_MAX:
+            return False
+        return _is_ip(host) or host in self.names or host.endswith(".localhost")
+
+    def check(self, req: RequestHead) -> Refused | None:
+        """Why to refuse what a web page could have sent (403, 415), or None."""
+        host: str | None = None
+        origin: str | None = None
+        content_type: str | None = None
+        for name, value in req.headers:
+            key = name.lower()
+            if key == "host":
+                host = value
+            elif key == "origin":
+                origin = value
+            elif key == "content-type":
+                content_type = value
+        if host is not None and not self.local(_host_part(host)):
+            return (
+                403,
+                f"The Host {_shown(host)} is not this machine's; the router answers requests "
+                "for an IP address, localhost or this host's name (DNS rebinding guard)",
+                "forbidden_host",
+            )
+        if origin is not None:
+            _scheme, sep, rest = origin.strip().partition("://")
+            if not sep or not self.local(_host_part(rest.split("/", 1)[0])):
+                return (
+                    403,
+                    f"Requests from the web page origin {_shown(origin)} are refused: "
+                    "a page must not drive the router",
+                    "forbidden_origin",
+                )
+        if req.body != "none":
+            media = (content_type or "").split(";", 1)[0].strip().lower()
+            kind, _, sub = media.partition("/")
+            if not (kind == "application" and (sub == "json" or sub.endswith("+json"))):
+                return (
+                    415,
+                    f"The request body's Content-Type is {_shown(content_type or 'missing')}; "
+                    "the router takes application/json (a web page can send other types "
+                    "from anywhere without asking)",
+                    "unsupported_media_type",
+                )
+        return None
+
+
+def _shown(text: str) -> str:
+    return json.dumps(text[:80] + ("..." if len(text) > 80 else ""))

@@ -1,0 +1,132 @@
+"""The worker's side of the data path: how many requests it gets at once, and its connections.
+
+`Upstream` admits at most `limit` requests to the worker at once (`[runtime]
+max_concurrency`); the others wait in arrival order (FIFO) and a wait beyond `max_waiting`
+is refused at once. Each admitted request uses one connection to the worker, a kept one
+if one is idle, so the worker never has more than `limit` connections open from the front:
+a model server with a small accept queue (Python's `ThreadingHTTPServer` has 5) is never
+flooded, however many clients arrive at once.
+
+`connect_retrying` opens a connection, retrying refused, reset and would-block connects
+with a short backoff while the worker is alive (a worker briefly behind on its accept
+queue is not a client error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+
+from agent.net.sockio import connect, still_open
+from agent.spec.provider import Address
+
+RETRY_FIRST_S = 0.01
+RETRY_MAX_S = 0.25
+RETRY_FOR_S = 10.0  # a worker that refuses connections this long is not coming back soon
+IDLE_MAX = 1024  # idle connections kept (never more than `limit`)
+# A kept connection idle longer is closed, not reused: servers close idle keep-alive
+# connections on timers of their own (gunicorn 2 s, uvicorn and Node 5 s), and one closed
+# just as a request goes out fails that request.
+KEEP_IDLE_S = 1.0
+
+# connect() errors that mean "not now" rather than "not there".
+RETRYABLE = frozenset(
+    {errno.ECONNREFUSED, errno.ECONNRESET, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNABORTED}
+)
+
+
+class QueueFull(Exception):
+    """More requests wait than `max_waiting`."""
+
+
+class Upstream:
+    def __init__(
+        self, limit: int, max_waiting: int, on_full: Callable[[], None] | None = None
+    ) -> None:
+        self.limit = limit
+        self.max_waiting = max_waiting
+        self.on_full = on_full  # called for each request refused because too many wait
+        self.in_use = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        # (connection, worker generation, when it went idle), the most recent last
+        self._idle: list[tuple[socket.socket, int, float]] = []
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self, also_waiting: int = 0) -> None:
+        """Wait for a slot, after everyone who waited before. Raises QueueFull when
+        `also_waiting` (waiting elsewhere, for the start) plus those waiting here already
+        reach `max_waiting`. Cancellation leaves the queue."""
+        if self.in_use < self.limit and not self._waiters:
+            self.in_use += 1
+            return
+        if len(self._waiters) + also_waiting >= self.max_waiting:
+            if self.on_full is not None:
+                self.on_full()
+            raise QueueFull()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release()  # granted and cancelled in the same turn: pass it on
+            elif fut in self._waiters:
+                self._waiters.remove(fut)
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # the slot passes on; in_use stays
+                return
+        self.in_use -= 1
+
+    def take_idle(self, generation: int) -> socket.socket | None:
+        """A kept connection to worker `generation` that is still open, or None."""
+        if not self._idle:
+            return None
+        fresh_since = time.monotonic() - KEEP_IDLE_S
+        while self._idle:
+            sock, gen, since = self._idle.pop()
+            if gen == generation and since >= fresh_since and still_open(sock):
+                return sock
+            sock.close()
+        return None
+
+    def keep(self, sock: socket.socket, generation: int) -> None:
+        """Keep a connection whose last response ended cleanly, for the next request."""
+        if len(self._idle) < min(self.limit, IDLE_MAX):
+            self._idle.append((sock, generation, time.monotonic()))
+        else:
+            sock.close()
+
+    def clear(self) -> None:
+        """The worker is gone: close the kept connections."""
+        for sock, _, _ in self._idle:
+            sock.close()
+        self._idle.clear()
+
+
+async def connect_retrying(
+    loop: asyncio.AbstractEventLoop, address: Address, alive: Callable[[], bool]
+) -> socket.socket:
+    """Connect to `address`; a refused, reset or would-block connect is tried again with a
+    growing delay while `alive()` and for at most RETRY_FOR_S. Raises OSError."""
+    delay = RETRY_FIRST_S
+    give_up = loop.time() + RETRY_FOR_S
+    while True:
+        try:
+            return await connect(loop, address)
+        except OSError as e:
+            if e.errno not in RETRYABLE or not alive() or loop.time() + delay > give_up:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(RETRY_MAX_S, delay * 2)

@@ -1,0 +1,576 @@
+"""`provider.toml` → `Provider`, or every problem in it.
+
+`validate` is pure: a parsed TOML table in, a `Provider` or a list of `Problem`s
+out, with the host facts it needs (CPU count, which paths exist) passed in. Each
+value goes through its key kind's converter in `agent.spec.values`.
+`parse_file`, `discover`, `check_paths` and `load` read files and check owners
+and modes; `main_check` is the body of `providerctl check`.
+
+Kept light on imports: the generator parses every manifest at each boot and
+`daemon-reload`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import os
+import re
+import shlex
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+from agent.spec import paths
+from agent.spec.files import FileProblem, contained, mode_problems, read_regular
+from agent.spec.keys import BY_DOTTED, KEYS, SECTIONS, Key
+from agent.spec.patterns import Pattern, compile_pattern
+from agent.spec.provider import Address, Problem, Provider, printable
+from agent.spec.values import (
+    CONVERTERS,
+    Host,
+    Invalid,
+    did_you_mean,
+    load_toml,
+    quote,
+    this_host,
+    unknown_table,
+)
+from agent.systemd import units
+
+SLUG_RE = re.compile(r"[a-z0-9_]{1,48}")
+SLUG_RULE = "lowercase letters, digits and '_' only, at most 48 characters"
+DIR_MANIFEST = "provider.toml"
+MAX_MANIFEST_BYTES = 1 << 20
+
+
+class ManifestError(Exception):
+    """A manifest could not be used; `problems` says why, one line each."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        super().__init__("\n".join(str(p) for p in problems))
+        self.problems = problems
+
+
+@dataclass
+class Discovery:
+    providers: dict[str, Provider] = field(default_factory=dict)  # valid ones, sorted by slug
+    problems: list[Problem] = field(default_factory=list)
+
+
+# The Provider field each key fills.
+_FIELDS = {
+    "listen.address": "addresses",
+    "runtime.ready": "ready",
+    "gpu.devices": "gpu_devices",
+    "gpu.count": "gpu_count",
+    "gpu.priority": "gpu_priority",
+    "weights.paths": "weight_paths",
+    "models.names": "model_names",
+    "models.patterns": "model_patterns",
+}
+
+
+def _field(key: Key) -> str:
+    return _FIELDS.get(key.dotted, key.name)
+
+
+def _did_you_mean(section: str, name: str) -> str:
+    here = did_you_mean(name, [k.name for k in KEYS if k.section == section])
+    if here:
+        return here
+    elsewhere = [k.dotted for k in KEYS if k.name == name]
+    if elsewhere:
+        return f' (did you mean "{elsewhere[0]}"?)'
+    return did_you_mean(name, [k.name for k in KEYS], 0.8, lambda n: BY_KEYNAME[n].dotted)
+
+
+BY_KEYNAME = {k.name: k for k in KEYS}
+
+
+# -- the pure validator ------------------------------------------------------------------
+
+
+def check_slug(slug: str) -> str | None:
+    """None when `slug` is usable, else the message saying why not."""
+    if SLUG_RE.fullmatch(slug):
+        return None
+    return f'"{slug}" is not a valid provider name: {SLUG_RULE} (a "-" would nest systemd slices)'
+
+
+def validate(data: dict[str, Any], slug: str, source: Path, host: Host) -> Provider | list[Problem]:
+    """A parsed manifest → `Provider`, or every problem found, in file order."""
+    file = str(source)
+    problems: list[Problem] = []
+
+    def problem(key: str, message: str) -> None:
+        problems.append(Problem(file, key, message))
+
+    if (msg := check_slug(slug)) is not None:
+        problem("", msg)
+
+    values: dict[str, Any] = {}
+    present: set[str] = set()
+    broken: set[str] = set()  # tables that are not tables
+
+    def take(section: str, name: str, value: object) -> None:
+        dotted = f"{section}.{name}" if section else name
+        key = BY_DOTTED.get(dotted)
+        if key is None:
+            problem(dotted, "unknown key" + _did_you_mean(section, name))
+            return
+        try:
+            values[_field(key)] = CONVERTERS[key.kind](value, key, host)
+            present.add(dotted)
+        except Invalid as e:
+            problem(dotted, str(e))
+
+    tables: set[str] = set()
+    for name, value in data.items():  # in file order, so problems are too
+        if name in SECTIONS and name:
+            if not isinstance(value, dict):
+                problem(name, f"expected a table [{name}], got {quote(value)}")
+                broken.add(name)
+                continue
+            tables.add(name)
+            for sub, v in value.items():
+                take(name, sub, v)
+        elif isinstance(value, dict) and name not in BY_DOTTED:
+            problem(name, unknown_table(name, [s for s in SECTIONS if s]))
+        else:
+            take("", name, value)
+
+    for key in KEYS:
+        reported = any(p.key == key.dotted for p in problems)
+        if (
+            key.required
+            and key.dotted not in present
+            and not reported
+            and key.section not in broken
+        ):
+            problem(key.dotted, 'required key is missing (an address such as "127.0.0.1:8008")')
+
+    # Relations between keys.
+    has_command = "runtime.command" in present or any(p.key == "runtime.command" for p in problems)
+    has_launch = "runtime.launch" in present or any(p.key == "runtime.launch" for p in problems)
+    if has_command and has_launch:
+        problem("runtime.launch", '"command" and "launch" are both set; keep one of them')
+    elif not has_command and not has_launch:
+        problem(
+            "runtime", 'one of "command" (argv) or "launch" ("package.module:function") is required'
+        )
+    env_names = {name for name, _ in values.get("environment", ())}
+    for name, _ in values.get("credentials", ()):
+        if name in env_names:
+            problem(
+                "runtime.credentials",
+                f"{name} is also in runtime.environment; a secret belongs in credentials only",
+            )
+    mh, mm = values.get("memory_high"), values.get("memory_max")
+    if mh is not None and mm is not None and mh > mm:
+        problem("limits.memory_high", "must not be larger than limits.memory_max")
+    if "gpu" in tables:
+        values.setdefault("gpu_devices", "auto")
+    devices = values.get("gpu_devices", "none")
+    count = values.get("gpu_count", 1)
+    if isinstance(devices, tuple) and count > len(devices):
+        problem("gpu.count", f"is {count} but gpu.devices lists only {len(devices)} device(s)")
+    if devices == "none" and any(
+        k in present for k in ("gpu.vram_budget_gb", "gpu.count", "gpu.priority")
+    ):
+        problem(
+            "gpu.devices", 'is "none" but other [gpu] keys are set; remove them or choose devices'
+        )
+    if values.get("preload") and values.get("enabled") is False:
+        problem(
+            "runtime.preload",
+            "is true but enabled = false: a provider whose socket is not started at boot "
+            "is not loaded at boot either; set enabled = true or remove preload",
+        )
+    if problems:
+        return problems
+    if "working_directory" not in values and source.name == DIR_MANIFEST:
+        values["working_directory"] = str(source.parent)
+    return Provider(slug=slug, source=source, **values)
+
+
+# -- files ---------------------------------------------------------------------------------
+
+
+def slug_of(path: Path) -> str:
+    """The slug a manifest path declares: `<slug>.toml` or `<slug>/provider.toml`."""
+    if path.name == DIR_MANIFEST:
+        return path.parent.name
+    return path.name[: -len(".toml")] if path.name.endswith(".toml") else path.name
+
+
+MANIFESTS_RUN_COMMANDS = "manifests run commands on the host"
+
+
+def ownership_problems(path: Path) -> list[Problem]:
+    """The file, its `<slug>/` directory if any, and the manifest directory holding them."""
+    checks = [(path, False), (path.parent, True)]
+    if path.name == DIR_MANIFEST:
+        checks.append((path.parent.parent, True))
+    return mode_problems(path, checks, paths.trusted_uids(), MANIFESTS_RUN_COMMANDS)
+
+
+def parse_bytes(raw: bytes, path: Path, slug: str, host: Host) -> Provider | list[Problem]:
+    """Validate the bytes of one manifest, and make sure its units can be written."""
+    file = str(path)
+    try:
+        data = load_toml(raw, "a manifest")
+    except Invalid as e:
+        return [Problem(file, "", str(e))]
+    result = validate(data, slug, path, host)
+    if isinstance(result, Provider):
+        try:
+            units.render(result)
+        except units.Unrenderable as e:
+            return [Problem(file, "", str(e))]
+    return result
+
+
+def _parse_file(path: Path, slug: str | None, host: Host | None) -> Provider | list[Problem]:
+    path = Path(os.path.abspath(path))
+    try:
+        raw = read_regular(path, MAX_MANIFEST_BYTES, "manifest")
+    except FileProblem as e:
+        return [Problem(str(path), "", e.message)]
+    problems = ownership_problems(path)
+    result = parse_bytes(
+        raw, path, slug if slug is not None else slug_of(path), host or this_host()
+    )
+    if isinstance(result, list):
+        return problems + result
+    return problems or result
+
+
+def parse_file(
+    path: Path, slug: str | None = None, host: Host | None = None
+) -> Provider | list[Problem]:
+    """Read, check owner and mode, and validate one manifest file: the boundary of one
+    file, so whatever it holds or is comes back as its problems, never as an exception."""
+    return contained(str(path), "manifest", lambda: _parse_file(path, slug, host))
+
+
+# -- discovery and the checks across manifests --------------------------------------------
+
+
+def _candidate(e: os.DirEntry[str]) -> tuple[str, Path] | None:
+    if e.name.startswith("."):
+        return None
+    if e.name.endswith(".toml"):
+        return e.name[: -len(".toml")], Path(e.path)
+    try:
+        if e.is_dir() and os.path.lexists(os.path.join(e.path, DIR_MANIFEST)):
+            return e.name, Path(e.path) / DIR_MANIFEST
+    except OSError:
+        pass  # a symlink loop, say: not a manifest (a `.toml` name is checked as one)
+    return None
+
+
+def _candidates(directory: Path, problems: list[Problem] | None = None) -> list[tuple[str, Path]]:
+    """(slug, manifest path) for every entry that looks like a manifest, sorted. A
+    directory that exists but cannot be listed is a problem (in `problems`)."""
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except OSError as e:
+        if problems is not None and e.errno not in (errno.ENOENT, errno.ENOTDIR):
+            problems.append(
+                Problem(str(directory), "", f"Failed to list manifests: {e.strerror or e}")
+            )
+        return []
+    return [c for c in map(_candidate, entries) if c is not None]
+
+
+def _collide(a: Address, b: Address) -> bool:
+    if a.is_unix or b.is_unix:
+        return a.path == b.path
+    if a.port != b.port:
+        return False
+    if a.host == b.host or "::" in (a.host, b.host):
+        return True
+    return "0.0.0.0" in (a.host, b.host) and ":" not in (a.host or "") + (b.host or "")
+
+
+def _address_groups(providers: list[Provider]) -> list[list[tuple[Provider, Address]]]:
+    """Addresses that may collide, grouped by port or path (linear, for many manifests)."""
+    groups: dict[object, list[tuple[Provider, Address]]] = {}
+    for p in providers:
+        for a in p.addresses:
+            groups.setdefault(a.path if a.is_unix else a.port, []).append((p, a))
+    return [g for g in groups.values() if len({id(p) for p, _ in g}) > 1]
+
+
+def _candidate_names(rx: Pattern, names: list[str]) -> Iterable[str]:
+    """The names of `names` (sorted) that `rx` may match: those that start with its
+    literal prefix (a binary search), else those that contain its literal. Each match
+    then takes time linear in the name (agent.spec.patterns), so no pattern can hang this."""
+    prefix = rx.literal_prefix
+    if prefix:
+        for i in range(bisect.bisect_left(names, prefix), len(names)):
+            if not names[i].startswith(prefix):
+                return
+            yield names[i]
+    elif rx.literal:
+        literal = rx.literal
+        yield from (n for n in names if literal in n)
+    else:
+        yield from names
+
+
+def cross_check(providers: list[Provider]) -> list[Problem]:
+    """Problems between valid providers: shared addresses and model names. Pure."""
+    out: list[Problem] = []
+
+    def both(x: Provider, x_key: str, x_msg: str, y: Provider, y_key: str, y_msg: str) -> None:
+        out.append(Problem(str(x.source), x_key, x_msg))
+        out.append(Problem(str(y.source), y_key, y_msg))
+
+    for group in _address_groups(providers):
+        for i, (p, a) in enumerate(group):
+            for q, b in group[i + 1 :]:
+                if p is not q and _collide(a, b):
+                    both(
+                        p, "listen.address",
+                        f'"{a}" is also used by provider "{q.slug}" ({q.source}); give each provider its own address',
+                        q, "listen.address",
+                        f'"{b}" is also used by provider "{p.slug}" ({p.source}); give each provider its own address',
+                    )  # fmt: skip
+    owners: dict[str, Provider] = {}
+    for p in providers:
+        for n in p.model_names:
+            q = owners.setdefault(n, p)
+            if q is not p:
+                claim = "is also claimed by provider"
+                both(
+                    q, "models.names", f'"{n}" {claim} "{p.slug}" ({p.source}); a model name belongs to one provider',
+                    p, "models.names", f'"{n}" {claim} "{q.slug}" ({q.source}); a model name belongs to one provider',
+                )  # fmt: skip
+    names = sorted(owners)
+    for x in providers:
+        for pat in x.model_patterns:
+            rx = compile_pattern(pat)
+            for n in _candidate_names(rx, names):
+                y = owners[n]
+                if y is not x and rx.fullmatch(n):
+                    both(
+                        x, "models.patterns",
+                        f'"{pat}" matches "{n}", a name of provider "{y.slug}" ({y.source}); narrow the pattern',
+                        y, "models.names",
+                        f'"{n}" is also matched by pattern "{pat}" of provider "{x.slug}" ({x.source})',
+                    )  # fmt: skip
+    return out
+
+
+def _finish(found: list[Provider], problems: list[Problem]) -> Discovery:
+    cross = cross_check(found)
+    bad = {p.file for p in cross}
+    providers = {p.slug: p for p in sorted(found, key=lambda p: p.slug) if str(p.source) not in bad}
+    return Discovery(providers, problems + cross)
+
+
+def _scan(dirs: Iterable[Path], host: Host) -> tuple[list[Provider], list[Problem]]:
+    found: list[Provider] = []
+    problems: list[Problem] = []
+    seen: set[str] = set()
+    for directory in dirs:
+        by_slug: dict[str, list[Path]] = {}
+        for slug, path in _candidates(directory, problems):
+            by_slug.setdefault(slug, []).append(path)
+        for slug, manifests in by_slug.items():
+            if slug in seen:
+                continue  # a higher-priority directory declares it
+            seen.add(slug)
+            if len(manifests) > 1:
+                manifests.sort(key=str)
+                for m in manifests:
+                    others = ", ".join(str(o) for o in manifests if o != m)
+                    problems.append(
+                        Problem(
+                            str(m), "", f'provider "{slug}" is also declared by {others}; keep one'
+                        )
+                    )
+                continue
+            result = parse_file(manifests[0], slug, host)
+            if isinstance(result, list):
+                problems.extend(result)
+            else:
+                found.append(result)
+    return found, problems
+
+
+def discover(dirs: list[Path] | None = None, host: Host | None = None) -> Discovery:
+    """Every manifest in the manifest directories (highest priority first)."""
+    found, problems = _scan(paths.manifest_dirs() if dirs is None else dirs, host or this_host())
+    return _finish(found, problems)
+
+
+def check_paths(items: list[Path], host: Host | None = None) -> Discovery:
+    """`providerctl check PATH...`: files, `<slug>/` directories or manifest directories."""
+    host = host or this_host()
+    problems: list[Problem] = []
+    manifests: list[Path] = []
+    for item in items:
+        item = Path(os.path.abspath(item))
+        try:
+            if item.is_dir() and not item.name.endswith(".toml"):
+                if os.path.lexists(item / DIR_MANIFEST):
+                    manifests.append(item / DIR_MANIFEST)
+                else:
+                    manifests += [path for _, path in _candidates(item, problems)]
+            elif os.path.lexists(item):
+                manifests.append(item)
+            else:
+                problems.append(Problem(str(item), "", "No such file or directory"))
+        except OSError as e:
+            problems.append(Problem(str(item), "", f"Failed to read: {e.strerror or e}"))
+    by_slug: dict[str, list[Path]] = {}
+    for path in dict.fromkeys(manifests):  # each file once, in the order given
+        by_slug.setdefault(slug_of(path), []).append(path)
+    found: list[Provider] = []
+    for slug, paths_ in by_slug.items():
+        if len(paths_) > 1:
+            for m in paths_:
+                others = ", ".join(str(o) for o in paths_ if o != m)
+                problems.append(
+                    Problem(str(m), "", f'provider "{slug}" is also declared by {others}; keep one')
+                )
+            continue
+        result = parse_file(paths_[0], slug, host)
+        if isinstance(result, list):
+            problems.extend(result)
+        else:
+            found.append(result)
+    return _finish(found, problems)
+
+
+def load(slug: str) -> Provider:
+    """The manifest of one provider, for the front at start. Raises ManifestError."""
+    env = os.environ.get("PROVIDERD_MANIFEST")
+    if env:
+        result = parse_file(Path(env), slug)
+        if isinstance(result, list):
+            raise ManifestError(result)
+        return result
+    found = discover()
+    if slug in found.providers:
+        return found.providers[slug]
+    mine = [p for p in found.problems if slug_of(Path(p.file)) == slug]
+    if mine:
+        raise ManifestError(mine)
+    where = ", ".join(str(d) for d in paths.manifest_dirs())
+    raise ManifestError([Problem(slug, "", f'no manifest for provider "{slug}" in {where}')])
+
+
+# -- providerctl check -----------------------------------------------------------------------
+
+
+def _shell_word(arg: str) -> str:
+    return arg if re.fullmatch(r"[\w@%+=:,./{}-]+", arg) else shlex.quote(arg)
+
+
+def summary(p: Provider) -> str:
+    """One line for a valid provider: slug, address(es), command."""
+    addresses = ", ".join(str(a) for a in p.addresses)
+    run = f"launch {p.launch}" if p.launch else " ".join(_shell_word(a) for a in p.command)
+    state = "" if p.enabled else " (disabled)"
+    return f"{p.slug}: {addresses} ({p.protocol}){state} -> {run}"
+
+
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
+
+
+def credential_warnings(p: Provider) -> list[str]:
+    """One line per credential file that is missing or readable by others than root."""
+    lines = []
+    for name, path in p.credentials:
+        where = f"{p.source}: runtime.credentials.{name}: warning: {path}"
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            lines.append(f"{where}: {e.strerror or e}; the worker will not start without it")
+            continue
+        if st.st_mode & 0o077 or st.st_uid != 0:
+            lines.append(
+                f"{where} is mode {stat.S_IMODE(st.st_mode):04o} owned by uid {st.st_uid}; "
+                "make it root's, mode 0600 (systemd gives the worker its own copy)"
+            )
+    return lines
+
+
+FRONT_USER = "providerd"  # the fronts and the router run as this user (the package makes it)
+
+
+def _can_read(path: Path, uid: int, gids: set[int], need: int) -> bool:
+    st = os.stat(path)
+    if st.st_uid == uid:
+        return bool(st.st_mode & (need << 6))
+    if st.st_gid in gids:
+        return bool(st.st_mode & (need << 3))
+    return bool(st.st_mode & need)
+
+
+def front_read_warnings(p: Provider) -> list[str]:
+    """A line when the user the front runs as cannot read this manifest (where it exists)."""
+    import grp
+    import pwd
+
+    try:
+        user = pwd.getpwnam(FRONT_USER)
+    except KeyError:
+        return []
+    gids = {user.pw_gid} | {g.gr_gid for g in grp.getgrall() if FRONT_USER in g.gr_mem}
+    try:
+        ok = _can_read(p.source, user.pw_uid, gids, 4) and all(
+            _can_read(d, user.pw_uid, gids, 1) for d in p.source.parents
+        )
+    except OSError:
+        return []
+    if ok:
+        return []
+    return [
+        f"{p.source}: warning: the user {FRONT_USER} cannot read this manifest, so the "
+        f"provider's front cannot start; make it 0644, or 0640 with group {FRONT_USER}"
+    ]
+
+
+def secret_warnings(p: Provider) -> list[str]:
+    """One line per environment variable whose name looks like a secret, and per
+    credential file that is missing or not root's alone."""
+    lines = credential_warnings(p)
+    for name, _ in p.environment:
+        if any(word in name.upper() for word in SECRET_WORDS):
+            lines.append(
+                f"{p.source}: runtime.environment.{name}: warning: looks like a secret; "
+                "environment values are shown to every local user by systemctl show. Put it in a "
+                f'root-only file and name it in [runtime] credentials = {{ {name} = "/etc/providerd/'
+                f'credentials/{p.slug}-{name.lower()}" }} (the model gets the same variable)'
+            )
+    return lines
+
+
+def main_check(items: list[str], out: TextIO, err: TextIO) -> int:
+    """`providerctl check [PATH...]`: every problem one line on `out`, exit 1 if any."""
+    found = check_paths([Path(i) for i in items]) if items else discover()
+    for problem in found.problems:
+        out.write(f"{problem}\n")
+    for p in found.providers.values():
+        for line in front_read_warnings(p) + secret_warnings(p):
+            err.write(line + "\n")
+    if found.problems:
+        return 1
+    for p in found.providers.values():
+        out.write(printable(summary(p)) + "\n")
+    if not found.providers:
+        where = ", ".join(items) if items else ", ".join(str(d) for d in paths.manifest_dirs())
+        err.write(printable(f"providerctl: no manifests found in {where}") + "\n")
+    return 0
+
+
+def with_source(provider: Provider, source: Path) -> Provider:
+    """The same provider as if read from `source` (golden tests use fixed paths)."""
+    return replace(provider, source=source)

@@ -1,0 +1,167 @@
+"""The systemd generator: manifests → drop-ins and links in the normal output dir.
+
+Installed as /usr/lib/systemd/system-generators/providerd-generator (see
+units/providerd-generator). systemd runs it at boot and on every daemon-reload
+with three output directories; it writes to the first (the normal one, below
+/etc and above /usr). A bad manifest is skipped with its problems logged to
+/dev/kmsg (stderr where that cannot be written); every other provider is still
+generated; the exit status is always 0 so the boot never fails here. Each file
+is written to a temporary name and renamed, so none is ever half-written.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from agent.spec import manifest
+from agent.spec import settings as config
+from agent.spec.provider import Problem, Provider, printable
+from agent.systemd import units
+
+PROG = units.GENERATOR
+
+
+class Log:
+    """Lines to /dev/kmsg as `<3>providerd-generator[pid]: …`, or to a stream."""
+
+    def __init__(self, kmsg: str = "/dev/kmsg", fallback: TextIO | None = None) -> None:
+        self.fallback = fallback or sys.stderr
+        self.fd: int | None = None
+        try:
+            self.fd = os.open(kmsg, os.O_WRONLY | os.O_NOCTTY | os.O_CLOEXEC)
+        except OSError:
+            self.fd = None
+
+    def __call__(self, message: str, level: int = 3) -> None:
+        line = printable(f"{PROG}[{os.getpid()}]: {message}")  # one line, whatever names hold
+        if self.fd is not None:
+            try:
+                os.write(self.fd, f"<{level}>{line}\n".encode())
+                return
+            except OSError:
+                pass
+        self.fallback.write(line + "\n")
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def skipped_lines(problems: list[Problem]) -> list[str]:
+    """Each problem, then one `Skipping …` line per manifest."""
+    lines: list[str] = []
+    by_file: dict[str, int] = {}
+    for p in problems:
+        lines.append(str(p))
+        by_file[p.file] = by_file.get(p.file, 0) + 1
+    for file, n in by_file.items():
+        slug = manifest.slug_of(Path(file))
+        what = "problem" if n == 1 else "problems"
+        lines.append(
+            f'Skipping provider "{slug}": {n} {what}; run "providerctl check {file}" for details'
+        )
+    return lines
+
+
+def write_atomic(path: Path, content: str | units.Link, make_parent: bool = True) -> None:
+    """Write `content` (text or a link) at `path` through a temporary name and a rename."""
+    if make_parent:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path.parent}/.#{path.name}.{os.getpid()}"
+    try:
+        if isinstance(content, units.Link):
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            os.symlink(content.target, tmp)
+        else:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                data = content.encode()
+                while data:
+                    data = data[os.write(fd, data) :]
+            finally:
+                os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def generate(providers: list[Provider], out: Path) -> list[str]:
+    """Write every provider's files under `out`; the paths that failed, with why."""
+    failures: list[str] = []
+    made: set[Path] = set()
+    for path, content in units.render_all(providers).items():
+        target = out / path
+        try:
+            if target.parent not in made:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                made.add(target.parent)
+            write_atomic(target, content, make_parent=False)
+        except OSError as e:
+            failures.append(f"Failed to write {target}: {e.strerror or e}")
+    return failures
+
+
+def generate_router(out: Path) -> list[str]:
+    """The router socket's address, and its sockets.target link when enabled, from
+    providerd.toml; the lines to log. Without the file (or with a bad one) the socket keeps
+    the default address of its static unit."""
+    try:
+        settings = config.load()
+    except config.ConfigError as e:
+        return [str(p) for p in e.problems] + [
+            "Skipping the router's settings: providerd-router.socket keeps its default address"
+        ]
+    if settings.source is None:
+        return []
+    try:
+        files = config.render_router(settings)
+    except units.Unrenderable as e:
+        return [
+            f"{settings.source}: {e}",
+            "Skipping the router's settings: providerd-router.socket keeps its default address",
+        ]
+    failures = []
+    for path, content in files.items():
+        try:
+            write_atomic(out / path, content)
+        except OSError as e:
+            failures.append(f"Failed to write {out / path}: {e.strerror or e}")
+    return failures
+
+
+def main(argv: list[str], log: Log | None = None) -> int:
+    """The generator: `argv` is what follows the program name (normal [early late])."""
+    log = log or Log()
+    try:
+        if not argv:
+            log("Failed to run: expected the output directory as the first argument")
+            return 0
+        out = Path(argv[0])
+        try:
+            for line in generate_router(out):
+                log(line)
+        except Exception as e:  # never fail the boot; the providers still get their units
+            log(f"Failed to generate the router's settings: {e}")
+        try:
+            found = manifest.discover()  # each file is its own boundary: this raises nothing
+        except Exception as e:  # never fail the boot
+            log(f"Failed to read manifests: {e}")
+            return 0
+        for line in skipped_lines(found.problems):
+            log(line)
+        for line in generate(list(found.providers.values()), out):
+            log(line)
+        return 0
+    finally:
+        log.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,520 @@
+"""Starting, watching and stopping the worker.
+
+Two implementations of one interface:
+- `SystemdWorker` starts `provider-worker@<slug>.service` through systemd's D-Bus API;
+  the unit is `Type=notify`, so a start job that ends "done" means the model answers.
+- `ProcessWorker` runs the same wrapper command as a child process (foreground mode),
+  giving it a notify socket of its own so the wrapper's READY=1 means the same thing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from agent.spec import paths
+from agent.spec.files import write_atomic
+from agent.systemd.bus import Systemd
+from agent.worker import wrapper as worker
+
+ExitCallback = Callable[[str], None]
+DeviceRules = Sequence[tuple[str, str]]
+
+
+class StartFailed(Exception):
+    """The worker did not become ready."""
+
+    def __init__(self, reason: str, log_tail: Sequence[str] = ()) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.log_tail = list(log_tail)
+
+
+class WorkerControl(Protocol):
+    def on_exit(self, callback: ExitCallback) -> None:
+        """`callback(reason)` when the worker goes away without being asked to."""
+        ...
+
+    async def start(self, env: Mapping[str, str], devices: DeviceRules | None) -> None:
+        """Start the worker and return once it answers; raises StartFailed."""
+        ...
+
+    async def stop(self) -> None:
+        """Stop the worker and return once it is gone."""
+        ...
+
+    async def pids(self) -> list[int]: ...
+
+    async def memory(self) -> dict[str, int | None]:
+        """{"current": bytes, "max": bytes} where known."""
+        ...
+
+
+def write_env_file(path: Path, env: Mapping[str, str]) -> None:
+    """Write an EnvironmentFile= atomically (temp + rename)."""
+    lines = []
+    for key, value in env.items():
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
+        lines.append(f'{key}="{escaped}"\n')
+    write_atomic(path, "".join(lines))
+
+
+# ---------------------------------------------------------------------------- systemd
+
+
+class SystemdWorker:
+    def __init__(
+        self, systemd: Systemd, slug: str, start_timeout_s: float, *, with_front: bool = False
+    ) -> None:
+        self.systemd = systemd
+        self.slug = slug
+        self.unit = f"provider-worker@{slug}.service"
+        self.start_timeout_s = start_timeout_s
+        # systemd started the worker on the front's own activation: the first start joins
+        # that one (or reports its failure) instead of starting the model a second time.
+        self._with_front = with_front
+        self._on_exit: ExitCallback = lambda _reason: None
+        self._watching = False
+        self._running = False  # we started it and did not ask it to stop
+        self._exit_task: asyncio.Task[None] | None = None
+
+    def on_exit(self, callback: ExitCallback) -> None:
+        self._on_exit = callback
+
+    def _state_changed(self, active: str, _sub: str) -> None:
+        if self._running and active in ("failed", "inactive", "deactivating"):
+            self._running = False
+            self._exit_task = asyncio.get_running_loop().create_task(self._report_exit())
+
+    async def _report_exit(self) -> None:
+        self._on_exit(await self._failure_reason("exited"))
+
+    async def _failure_reason(self, what: str) -> str:
+        try:
+            result = await self.systemd.get(self.unit, "Service", "Result")
+            status = await self.systemd.get(self.unit, "Service", "ExecMainStatus")
+        except Exception as e:  # the bus went away: say what we know
+            return f"worker {what} ({e})"
+        if result == "oom-kill":
+            return f"worker {what}: killed by the kernel for exceeding its memory limit (oom-kill)"
+        if result == "timeout":
+            return f"worker {what}: did not become ready within {self.start_timeout_s:g} s"
+        if result == "exit-code":
+            return f"worker {what} with status {status}"
+        if result == "signal":
+            return f"worker {what}: killed by signal {status}"
+        return f"worker {what} (result: {result})"
+
+    async def start(self, env: Mapping[str, str], devices: DeviceRules | None) -> None:
+        write_env_file(paths.worker_env_file(self.slug), env)
+        if devices is not None:
+            await self.systemd.set_properties(
+                self.unit, [("DeviceAllow", "a(ss)", []), ("DeviceAllow", "a(ss)", list(devices))]
+            )
+        if self._with_front:
+            self._with_front = False
+            await self._failed_with_front()
+        watching: asyncio.Future[None] | None = None
+        if not self._watching:
+            # Set up while the start runs: it only matters once the worker is ready.
+            watching = asyncio.ensure_future(self.systemd.watch(self.unit, self._state_changed))
+            self._watching = True
+        try:
+            result = await asyncio.wait_for(
+                self.systemd.start_unit(self.unit), self.start_timeout_s + 30
+            )
+        except TimeoutError:
+            await self.systemd.stop_unit(self.unit)
+            raise StartFailed(
+                f"worker did not become ready within {self.start_timeout_s:g} s",
+                await journal_tail(self.unit),
+            ) from None
+        finally:
+            if watching is not None:
+                try:
+                    await watching
+                except BaseException:
+                    self._watching = False  # the next start tries again
+                    raise
+        if result == "done":
+            active = await self.systemd.get(self.unit, "Unit", "ActiveState")
+            if active == "active":
+                self._running = True
+                return
+            result = f"unit is {active}"
+        reason = await self._failure_reason("failed to start")
+        raise StartFailed(reason, await journal_tail(self.unit))
+
+    async def _failed_with_front(self) -> None:
+        """Raise StartFailed if the start systemd made beside the front has failed already.
+
+        The activation enqueued a start job for the worker with the front's; it is either
+        still under way (StartUnit joins it), done (StartUnit finds the unit active), or
+        failed before the front asked: "failed" with no job can only be that start's end,
+        since a start job clears an earlier failure when it runs.
+        """
+        job, active = await asyncio.gather(  # sent together: one round trip, not two
+            self.systemd.get(self.unit, "Unit", "Job"),
+            self.systemd.get(self.unit, "Unit", "ActiveState"),
+        )
+        job_id = job[0] if isinstance(job, (list, tuple)) and job else 0
+        if active == "failed" and not job_id:
+            reason = await self._failure_reason("failed to start")
+            raise StartFailed(reason, await journal_tail(self.unit))
+
+    async def stop(self) -> None:
+        self._running = False
+        await self.systemd.stop_unit(self.unit)
+
+    async def pids(self) -> list[int]:
+        return await self.systemd.unit_pids(self.unit)
+
+    async def memory(self) -> dict[str, int | None]:
+        def known(value: object) -> int | None:
+            return value if isinstance(value, int) and value < 2**63 else None
+
+        try:
+            current = await self.systemd.get(self.unit, "Service", "MemoryCurrent")
+            limit = await self.systemd.get(self.unit, "Service", "MemoryMax")
+        except Exception:
+            return {"current": None, "max": None}
+        return {"current": known(current), "max": known(limit)}
+
+
+async def journal_tail(unit: str, lines: int = 10) -> list[str]:
+    """The unit's last log lines, from the journal (empty where it cannot be read).
+
+    No `this_boot()`: it reads /proc/sys, which the front's sandbox hides (ProcSubset=pid).
+    """
+
+    def read() -> list[str]:
+        try:
+            from systemd import journal
+
+            reader = journal.Reader()
+            try:
+                reader.add_match(_SYSTEMD_UNIT=unit)
+                reader.seek_tail()
+                out: list[str] = []
+                for _ in range(lines):
+                    entry = reader.get_previous()
+                    if not entry:
+                        break
+                    out.append(str(entry.get("MESSAGE", "")))
+                return out[::-1]
+            finally:
+                reader.close()
+        except Exception:  # the journal is an aid to the message, never a reason to fail
+            return []
+
+    return await asyncio.get_running_loop().run_in_executor(None, read)
+
+
+# ---------------------------------------------------------------------------- foreground
+
+
+class _Child:
+    """A child process watched through a pidfd: its exit status, without a watcher thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        loop = asyncio.get_running_loop()
+        self._exited: asyncio.Future[int] = loop.create_future()
+        self._fd = os.pidfd_open(pid)
+        loop.add_reader(self._fd, self._reap)
+
+    def _reap(self) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = self.pid, 0
+        if pid == 0:
+            return
+        asyncio.get_running_loop().remove_reader(self._fd)
+        os.close(self._fd)
+        self.returncode = os.waitstatus_to_exitcode(status)
+        self._exited.set_result(self.returncode)
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+
+def _spawn(argv: Sequence[str], env: Mapping[str, str], cwd: str | None, out: int) -> int:
+    """Start the worker wrapper with its output on `out`, in a session of its own.
+
+    The wrapper (`python3 -m agent.worker ...`) is forked from this interpreter, where
+    agent.worker.wrapper is already imported, and runs there: the same code as under systemd,
+    without paying for a second interpreter's start (~10 ms) on every cold start. Any
+    other command is executed as it is.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    in_process = list(argv[1:3]) == ["-m", "agent.worker"]
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 127
+    try:
+        os.setsid()
+        signal.set_wakeup_fd(-1)  # the parent's event loop must not hear the child's signals
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # listeners, the loop's own fds
+        if cwd is not None:
+            os.chdir(cwd)
+        if in_process:
+            os.environ.clear()
+            os.environ.update(env)
+            sys.argv = [str(a) for a in argv]
+            code = worker.main(list(argv[3:]))
+        else:
+            os.execvpe(argv[0], list(argv), dict(env))
+    except BaseException as e:  # the child must never return into the parent's code
+        with contextlib.suppress(Exception):
+            os.write(2, f"Failed to run the worker wrapper: {e}\n".encode())
+        code = 127
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+    return 0  # not reached
+
+
+class ProcessWorker:
+    """The worker wrapper as a child process: foreground mode, no cgroup limits."""
+
+    def __init__(
+        self,
+        slug: str,
+        argv: Sequence[str],
+        *,
+        environment: Mapping[str, str],
+        working_directory: str | None,
+        start_timeout_s: float,
+        stop_timeout_s: float,
+        log: Callable[[str], None],
+        credentials: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        self.slug = slug
+        self.credentials = list(credentials)
+        self.credentials_dir: str | None = None
+        self.argv = list(argv)
+        self.environment = dict(environment)
+        self.working_directory = working_directory
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.log = log
+        self.tail: deque[str] = deque(maxlen=10)
+        self.proc: _Child | None = None
+        self._on_exit: ExitCallback = lambda _reason: None
+        self._stopping = False
+        self._tasks: list[asyncio.Task[None]] = []
+        worker.preload()  # _spawn forks the wrapper from here: it finds ctypes loaded
+
+    def on_exit(self, callback: ExitCallback) -> None:
+        self._on_exit = callback
+
+    async def start(self, env: Mapping[str, str], devices: DeviceRules | None) -> None:
+        loop = asyncio.get_running_loop()
+        self._stopping = False
+        self.tail.clear()
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        address = f"\0providerd-{os.getpid()}-{self.slug}-{time.monotonic_ns()}"
+        notify.bind(address)
+        notify.setblocking(False)
+        child_env = {
+            **os.environ,
+            **self.environment,
+            **env,
+            "NOTIFY_SOCKET": "@" + address[1:],
+            "PROVIDERD_DIE_WITH_PARENT": str(os.getpid()),
+        }
+        child_env.pop("LISTEN_FDS", None)
+        child_env.pop("LISTEN_PID", None)
+        child_env.pop("CREDENTIALS_DIRECTORY", None)
+        if self.credentials:
+            try:
+                child_env["CREDENTIALS_DIRECTORY"] = self._load_credentials()
+            except StartFailed:
+                notify.close()
+                raise
+        ready: asyncio.Future[None] = loop.create_future()
+
+        def on_datagram() -> None:
+            while True:
+                try:
+                    data = notify.recv(4096)
+                except BlockingIOError:
+                    return
+                for line in data.decode(errors="replace").splitlines():
+                    if line == "READY=1" and not ready.done():
+                        ready.set_result(None)
+
+        loop.add_reader(notify.fileno(), on_datagram)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            proc = self.proc = _Child(_spawn(self.argv, child_env, self.working_directory, out_w))
+        except OSError as e:
+            loop.remove_reader(notify.fileno())
+            notify.close()
+            os.close(out_r)
+            self._drop_credentials()
+            raise StartFailed(f"failed to run the worker wrapper: {e}") from None
+        finally:
+            os.close(out_w)
+        self._tasks = [loop.create_task(self._pump_output(out_r))]
+        exited = loop.create_task(proc.wait())
+        try:
+            waited: set[asyncio.Future[Any]] = {ready, exited}
+            done, _ = await asyncio.wait(
+                waited, timeout=self.start_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if ready in done:
+                self._tasks.append(loop.create_task(self._watch(proc)))
+                return
+            if exited in done:
+                await asyncio.sleep(0.05)  # let the last output lines arrive
+                self._drop_credentials()
+                raise StartFailed(
+                    f"worker failed to start: {describe_status(exited.result())}", list(self.tail)
+                )
+            await self._terminate(proc)
+            raise StartFailed(
+                f"worker did not become ready within {self.start_timeout_s:g} s", list(self.tail)
+            )
+        finally:
+            loop.remove_reader(notify.fileno())
+            notify.close()
+            if not ready.done():
+                ready.cancel()
+
+    def _load_credentials(self) -> str:
+        """What LoadCredential= does, without systemd: a private copy of each file in a
+        directory only this user can read, removed when the worker is gone."""
+        self._drop_credentials()
+        directory = tempfile.mkdtemp(prefix=f"providerd-{self.slug}-credentials-")
+        self.credentials_dir = directory
+        for name, source in self.credentials:
+            try:
+                with open(source, "rb") as f:
+                    data = f.read()
+                fd = os.open(
+                    os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400
+                )
+                with os.fdopen(fd, "wb") as out:
+                    out.write(data)
+            except OSError as e:
+                self._drop_credentials()
+                raise StartFailed(
+                    f"Failed to load credential {name} from {source}: {e.strerror or e}"
+                ) from None
+        return directory
+
+    def _drop_credentials(self) -> None:
+        if self.credentials_dir is not None:
+            shutil.rmtree(self.credentials_dir, ignore_errors=True)
+            self.credentials_dir = None
+
+    async def _pump_output(self, fd: int) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
+        )
+        try:
+            while line := await reader.readline():
+                text = line.decode(errors="replace").rstrip("\n")
+                self.tail.append(text)
+                self.log(text)
+        finally:
+            transport.close()
+
+    async def _watch(self, proc: _Child) -> None:
+        status = await proc.wait()
+        _kill_group(proc.pid)
+        self._drop_credentials()
+        if not self._stopping:
+            await asyncio.sleep(0.05)
+            self._on_exit(f"worker exited: {describe_status(status)}")
+
+    async def _terminate(self, proc: _Child) -> None:
+        """SIGTERM to the wrapper, SIGKILL to everything left after the stop timeout."""
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), self.stop_timeout_s)
+        except TimeoutError:
+            self.log(f"Worker did not stop within {self.stop_timeout_s:g} s, killing it")
+        _kill_group(proc.pid)
+        await proc.wait()
+        self._drop_credentials()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self.proc is not None:
+            await self._terminate(self.proc)
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
+
+    async def pids(self) -> list[int]:
+        if self.proc is None or self.proc.returncode is not None:
+            return []
+        return process_group(self.proc.pid)
+
+    async def memory(self) -> dict[str, int | None]:
+        total = 0
+        for pid in await self.pids():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf(
+                    "SC_PAGE_SIZE"
+                )
+        return {"current": total or None, "max": None}
+
+
+def describe_status(status: int) -> str:
+    if status < 0:
+        return f"killed by signal {signal.Signals(-status).name}"
+    return f"status {status}"
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def process_group(pgid: int) -> list[int]:
+    """The live processes of one process group."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
