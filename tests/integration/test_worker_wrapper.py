@@ -442,7 +442,7 @@ def test_bad_command_line_is_usage(wrapper: Start) -> None:
     assert run.wait() == 2
     err = run.stderr()
     assert err.startswith(
-        "agent.worker.wrapper: --ready: expected tcp, http:/PATH or notify, got 'http'\n"
+        "agent.worker: --ready: expected tcp, http:/PATH or notify, got 'http'\n"
     )
     assert "usage: python3 -m agent.worker" in err
 
