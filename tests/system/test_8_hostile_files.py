@@ -64,7 +64,7 @@ def test_hostile_files_cost_only_themselves(ct: Container, provider: Provider) -
         # Each problem is one line, names escaped. (In this container /dev/kmsg is not the
         # kernel log: run the installed generator again with its stderr fallback.)
         gen = ct.sh(
-            "python3 -c 'import sys; from agent import generator; "
+            "python3 -c 'import sys; from agent.systemd import generator; "
             'sys.exit(generator.main(["/tmp/hostile-gen"], generator.Log(kmsg="/nonexistent")))\'',
             timeout=60,
         )
