@@ -441,9 +441,7 @@ def test_bad_command_line_is_usage(wrapper: Start) -> None:
     run = wrapper("--slug", "u", "--ready", "http", "--", "m")
     assert run.wait() == 2
     err = run.stderr()
-    assert err.startswith(
-        "agent.worker: --ready: expected tcp, http:/PATH or notify, got 'http'\n"
-    )
+    assert err.startswith("agent.worker: --ready: expected tcp, http:/PATH or notify, got 'http'\n")
     assert "usage: python3 -m agent.worker" in err
 
 
