@@ -28,15 +28,22 @@ import time
 from pathlib import Path
 
 from bench_proxy import PROXYD, cpu_s, keep_alive_us, spawn_activated, wait_until_listening
-from common import ROOT, listener
+from common import listener
 
 BENCH = Path(__file__).resolve()
 
 
-async def _coroutine_relay(client: socket.socket, port: int) -> None:
-    sys.path.insert(0, str(ROOT))
-    from agent.net.sockio import wait_readable
+async def wait_readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Wait until `sock` is readable, holding no buffer (a reader added and removed per wait)."""
+    fut: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(sock.fileno(), lambda: fut.done() or fut.set_result(None))
+    try:
+        await fut
+    finally:
+        loop.remove_reader(sock.fileno())
 
+
+async def _coroutine_relay(client: socket.socket, port: int) -> None:
     loop = asyncio.get_running_loop()
     up = socket.socket()
     up.setblocking(False)

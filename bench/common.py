@@ -59,12 +59,16 @@ def serve_epoll(on_data: OnData) -> None:
 
 
 def always_ready_front(worker_port: int) -> None:
-    """`agent.net.proxy.serve_http` on the listening socket fd 3, every connection relayed to
-    127.0.0.1:worker_port by a backend that is always ready and holds no lease."""
+    """The front's data path (`agent.net.proxy.accept_http` with a `FrontSite`, accepting
+    through `agent.net.listeners.Listeners` as the front does) on the listening socket fd 3,
+    every connection relayed to 127.0.0.1:worker_port by a backend that is always ready
+    and holds no lease."""
     import asyncio
+    import logging
 
     sys.path.insert(0, str(ROOT))
-    from agent.net.proxy import serve_http
+    from agent.net.listeners import Listeners
+    from agent.net.proxy import FrontSite, Style, accept_http
     from agent.net.upstream import Upstream
     from agent.spec.provider import Address as Addr
 
@@ -89,20 +93,23 @@ def always_ready_front(worker_port: int) -> None:
         def waiting_for_start(self) -> int:
             return 0
 
+        def ready_now(self) -> tuple[Addr, int]:
+            return self.address, 1
+
         async def ready(self) -> tuple[Addr, int]:
             return self.address, 1
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        listener = socket.socket(fileno=3)
-        listener.setblocking(False)
-        backend = AlwaysReady()
-        tasks: set[asyncio.Task[None]] = set()
-        while True:
-            client, _ = await loop.sock_accept(listener)
-            task = loop.create_task(serve_http(client, backend))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+        site = FrontSite(AlwaysReady())
+        style = Style("bench")
+        listening: Listeners
+
+        def connection(sock: socket.socket) -> None:
+            accept_http(sock, site, style, listening.closed)
+
+        listening = Listeners([socket.socket(fileno=3)], connection, logging.getLogger("bench"))
+        listening.start()
+        await asyncio.Event().wait()
 
     asyncio.run(main())
 

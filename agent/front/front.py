@@ -27,7 +27,15 @@ from agent.front import backoff as saved_backoff
 from agent.front.state import Action, Backoff, Event, State, step
 from agent.net import counters
 from agent.net.listeners import Listeners
-from agent.net.proxy import Unavailable, serve_http, serve_tcp
+from agent.net.proxy import (
+    ClientConn,
+    FrontSite,
+    Style,
+    Unavailable,
+    accept_http,
+    serve_tcp,
+    too_many_waiting,
+)
 from agent.net.upstream import Upstream
 from agent.spec.provider import Address, Provider
 from agent.systemd import preload
@@ -73,32 +81,42 @@ class _Lease:
             self.front._lease_end()
 
 
-class _Connection:
-    """The Backend one client connection sees: the front, plus its first-request grace.
+class _Grace:
+    """A new connection's first-request grace: until its first request arrives (at most
+    FIRST_REQUEST_GRACE_S), it keeps an idle exit from closing it; it does not restart the
+    idle timer."""
 
-    Until its first request arrives (at most FIRST_REQUEST_GRACE_S), a new connection
-    keeps an idle exit from closing it; it does not restart the idle timer.
-    """
+    __slots__ = ("front", "timer")
+
+    def __init__(self, front: Front) -> None:
+        self.front: Front | None = front
+        front.fresh += 1
+        self.timer = asyncio.get_running_loop().call_later(FIRST_REQUEST_GRACE_S, self.end)
+
+    def end(self) -> None:
+        if self.front is not None:
+            front, self.front = self.front, None
+            self.timer.cancel()
+            front._fresh_end()
+
+
+class _Worker:
+    """The Backend the data path sees: the front's worker, its leases and its slots."""
 
     def __init__(self, front: Front) -> None:
         self.front = front
         self.slug = front.provider.slug
         self.request_timeout_s = front.provider.request_timeout_s
         self.upstream = front.upstream
-        self.fresh = True
-        front.fresh += 1
-        self.timer = asyncio.get_running_loop().call_later(FIRST_REQUEST_GRACE_S, self.end_grace)
-
-    def end_grace(self) -> None:
-        if self.fresh:
-            self.fresh = False
-            self.timer.cancel()
-            self.front._fresh_end()
+        # A host-network worker admits only its own loopback address: connect from it.
+        self.source = front.worker_host if front.worker_host != "127.0.0.1" else None
 
     def lease(self, path: str | None) -> _Lease:
-        lease = self.front.lease(path)
-        self.end_grace()
-        return lease
+        return self.front.lease(path)
+
+    def ready_now(self) -> tuple[Address, int] | None:
+        front = self.front
+        return (front.address, front.generation) if front.state == State.READY else None
 
     async def ready(self) -> tuple[Address, int]:
         return await self.front.ready()
@@ -112,6 +130,19 @@ class _Connection:
 
     async def worker_gone(self, generation: int) -> str | None:
         return await self.front.worker_gone(generation)
+
+
+class _TcpConnection(_Worker):
+    """One TCP connection's Backend: its lease ends its grace."""
+
+    def __init__(self, front: Front, grace: _Grace) -> None:
+        super().__init__(front)
+        self.grace = grace
+
+    def lease(self, path: str | None) -> _Lease:
+        lease = self.front.lease(path)
+        self.grace.end()
+        return lease
 
 
 class Front:
@@ -171,7 +202,10 @@ class Front:
         self.listening = Listeners(listeners, self._connection, self.log)
         self._idle_timer: asyncio.TimerHandle | None = None
         self._backoff_timer: asyncio.TimerHandle | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._connections: set[asyncio.Task[None]] = set()  # TCP relays
+        self._graces: dict[ClientConn, _Grace] = {}  # HTTP connections, until closed
+        self.site = FrontSite(_Worker(self), on_request=self._first_request)
+        self.style = Style(provider.slug)
         self._background: set[asyncio.Task[None]] = set()
         self._start_began = 0.0
         self._start_cause = ""
@@ -190,26 +224,38 @@ class Front:
         """Stop accepting for good: what arrives now waits in the kernel for the next front."""
         self.listening.stop()
 
-    def _connection(self, conn: socket.socket) -> None:
-        # The connection counts from now, not from when its task first runs: an idle
-        # decision in this same turn of the loop must see it.
-        backend = _Connection(self)
-        task = asyncio.get_running_loop().create_task(self._serve(conn, backend))
+    def _connection(self, sock: socket.socket) -> None:
+        # The connection counts from now: an idle decision in this same turn of the loop
+        # must see it.
+        grace = _Grace(self)
+        if self.provider.protocol == "http":
+            conn = accept_http(sock, self.site, self.style, lambda: self._http_closed(conn))
+            self._graces[conn] = grace
+            return
+        task = asyncio.get_running_loop().create_task(self._serve_tcp(sock, grace))
         self._connections.add(task)
-        task.add_done_callback(self._connection_done)
+        task.add_done_callback(self._tcp_done)
 
-    def _connection_done(self, task: asyncio.Task[None]) -> None:
+    def _first_request(self, conn: ClientConn) -> None:
+        grace = self._graces.get(conn)
+        if grace is not None:
+            grace.end()
+
+    def _http_closed(self, conn: ClientConn) -> None:
+        grace = self._graces.pop(conn, None)
+        if grace is not None:
+            grace.end()
+        self.listening.closed()
+
+    def _tcp_done(self, task: asyncio.Task[None]) -> None:
         self._connections.discard(task)
         self.listening.closed()
 
-    async def _serve(self, conn: socket.socket, backend: _Connection) -> None:
+    async def _serve_tcp(self, sock: socket.socket, grace: _Grace) -> None:
         try:
-            if self.provider.protocol == "http":
-                await serve_http(conn, backend)
-            else:
-                await serve_tcp(conn, backend)
+            await serve_tcp(sock, _TcpConnection(self, grace))
         finally:
-            backend.end_grace()
+            grace.end()
 
     # ------------------------------------------------------------------ leases
 
@@ -274,11 +320,7 @@ class Front:
             return self.address, self.generation
         if len(self.waiters) + self.upstream.waiting >= self.provider.max_held:
             self.counters.count_refused("too_many_waiting")
-            raise Unavailable(
-                503,
-                f"too many requests waiting for the worker (max_held = {self.provider.max_held})",
-                retry_after_s=1,
-            )
+            raise too_many_waiting(self.provider.max_held)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.waiters.append(future)
         self._dispatch(Event.DEMAND, cause)
@@ -312,8 +354,13 @@ class Front:
 
     def _unavailable(self) -> Unavailable:
         retry = max(1.0, self.backoff_until - time.monotonic())
+        gpu = "holders" in self.failure_extra
         return Unavailable(
-            503, self.failure or "worker unavailable", retry_after_s=retry, extra=self.failure_extra
+            503,
+            self.failure or "worker unavailable",
+            retry_after_s=retry,
+            extra=self.failure_extra,
+            code="gpu_unavailable" if gpu else "start_failed",
         )
 
     def release_worker(self, reason: str) -> None:
@@ -538,6 +585,8 @@ class Front:
         await self._stopped.wait()
         for task in list(self._connections):
             task.cancel()
+        for conn in list(self._graces):
+            conn.abort()
         self._flush()
         self.done.set()
 

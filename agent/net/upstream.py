@@ -20,8 +20,9 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
-from agent.net.sockio import connect, still_open
+from agent.net.sockio import nodelay
 from agent.spec.provider import Address
 
 RETRY_FIRST_S = 0.01
@@ -39,6 +40,14 @@ RETRYABLE = frozenset(
 )
 
 
+class Kept(Protocol):
+    """A connection between responses: the pool asks whether it is still good, or closes it."""
+
+    def usable(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
 class QueueFull(Exception):
     """More requests wait than `max_waiting`."""
 
@@ -53,11 +62,18 @@ class Upstream:
         self.in_use = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         # (connection, worker generation, when it went idle), the most recent last
-        self._idle: list[tuple[socket.socket, int, float]] = []
+        self._idle: list[tuple[Kept, int, float]] = []
 
     @property
     def waiting(self) -> int:
         return len(self._waiters)
+
+    def try_acquire(self) -> bool:
+        """A slot now if one is free and nobody waits for one; else False (wait in acquire)."""
+        if self.in_use < self.limit and not self._waiters:
+            self.in_use += 1
+            return True
+        return False
 
     async def acquire(self, also_waiting: int = 0) -> None:
         """Wait for a slot, after everyone who waited before. Raises QueueFull when
@@ -89,19 +105,19 @@ class Upstream:
                 return
         self.in_use -= 1
 
-    def take_idle(self, generation: int) -> socket.socket | None:
+    def take_idle(self, generation: int) -> Kept | None:
         """A kept connection to worker `generation` that is still open, or None."""
         if not self._idle:
             return None
         fresh_since = time.monotonic() - KEEP_IDLE_S
         while self._idle:
             sock, gen, since = self._idle.pop()
-            if gen == generation and since >= fresh_since and still_open(sock):
+            if gen == generation and since >= fresh_since and sock.usable():
                 return sock
             sock.close()
         return None
 
-    def keep(self, sock: socket.socket, generation: int) -> None:
+    def keep(self, sock: Kept, generation: int) -> None:
         """Keep a connection whose last response ended cleanly, for the next request."""
         if len(self._idle) < min(self.limit, IDLE_MAX):
             self._idle.append((sock, generation, time.monotonic()))
@@ -115,16 +131,44 @@ class Upstream:
         self._idle.clear()
 
 
-async def connect_retrying(
-    loop: asyncio.AbstractEventLoop, address: Address, alive: Callable[[], bool]
+async def connect(
+    loop: asyncio.AbstractEventLoop, address: Address, source: str | None = None
 ) -> socket.socket:
-    """Connect to `address`; a refused, reset or would-block connect is tried again with a
-    growing delay while `alive()` and for at most RETRY_FOR_S. Raises OSError."""
+    """A non-blocking stream connection to `address` (no host: 127.0.0.1), TCP_NODELAY set,
+    from the local address `source` if given. Raises OSError (the socket closed)."""
+    target: str | tuple[str, int]
+    if address.path is not None:
+        family, target = socket.AF_UNIX, address.path
+    else:
+        host = address.host or "127.0.0.1"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        target = (host, address.port or 0)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        if source is not None and family != socket.AF_UNIX:
+            sock.bind((source, 0))
+        await loop.sock_connect(sock, target)
+    except BaseException:
+        sock.close()
+        raise
+    nodelay(sock)
+    return sock
+
+
+async def connect_retrying(
+    loop: asyncio.AbstractEventLoop,
+    address: Address,
+    alive: Callable[[], bool],
+    source: str | None = None,
+) -> socket.socket:
+    """Connect to `address` (from `source`); a refused, reset or would-block connect is tried
+    again with a growing delay while `alive()` and for at most RETRY_FOR_S. Raises OSError."""
     delay = RETRY_FIRST_S
     give_up = loop.time() + RETRY_FOR_S
     while True:
         try:
-            return await connect(loop, address)
+            return await connect(loop, address, source)
         except OSError as e:
             if e.errno not in RETRYABLE or not alive() or loop.time() + delay > give_up:
                 raise

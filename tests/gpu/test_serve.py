@@ -285,7 +285,7 @@ def test_pinned_and_priorities_decide_who_gives_way() -> None:
         assert code == 503, body
         kept = {h["slug"]: h.get("kept") for h in body["holders"]}
         assert kept == {"pin": "pinned", "mid": "priority 5, above 0"}, body
-        assert "pin (pinned)" in body["error"] and "mid (priority 5, above 0)" in body["error"]
+        assert "pin (pinned)" in body["message"] and "mid (priority 5, above 0)" in body["message"]
         assert alive(pin["pid"]) and alive(mid["pid"])
 
         code, top = get(ports["top"], "/info")

@@ -99,7 +99,7 @@ def test_start_failure_503_with_backoff(serve: Any) -> None:
     assert int(headers["retry-after"]) >= 1
     doc = json.loads(body)
     assert doc["provider"] == "broken"
-    assert "status 3" in doc["error"]
+    assert "status 3" in doc["message"]
     assert doc["retry_after_s"] >= 1
     # Within the backoff every request is answered at once, and nothing is restarted.
     for _ in range(20):
@@ -115,7 +115,7 @@ def test_never_ready_times_out(serve: Any) -> None:
     t0 = time.monotonic()
     status, _, body = request(port, "/x")
     assert status == 503
-    assert "within 1 s" in json.loads(body)["error"]
+    assert "within 1 s" in json.loads(body)["message"]
     assert time.monotonic() - t0 < 10
     s.wait_log("Failed to start worker")
 
@@ -127,7 +127,7 @@ def test_crash_fails_fast_then_recovers_after_the_backoff(serve: Any) -> None:
     s.wait_log("Worker exited unexpectedly")  # it exits right after the third answer
     status, headers, body = request(port, "/x")
     assert status == 503  # within the backoff: refused at once, with the cause
-    assert "status 3" in json.loads(body)["error"]
+    assert "status 3" in json.loads(body)["message"]
     assert int(headers["retry-after"]) >= 1
     time.sleep(1.2)  # the first backoff is 1 s
     assert request(port, "/x")[0] == 200
@@ -144,7 +144,7 @@ def test_request_timeout_504_worker_keeps_running(serve: Any) -> None:
     t0 = time.monotonic()
     status, _, body = request(port, "/x", method="POST", body=b"x" * 65536)
     assert status == 504
-    assert "no response from the worker for 1 s" in json.loads(body)["error"]
+    assert "no response from the worker for 1 s" in json.loads(body)["message"]
     assert time.monotonic() - t0 < 5
     assert alive(pid)
     assert pid_of(port) == pid
@@ -357,4 +357,4 @@ def test_a_missing_credential_fails_the_start_with_its_name(serve: Any, tmp_path
     serve(("nocred", text))
     status, _, body = request(port, "/")
     assert status == 503, body
-    assert f"Failed to load credential API_KEY from {gone}" in json.loads(body)["error"], body
+    assert f"Failed to load credential API_KEY from {gone}" in json.loads(body)["message"], body

@@ -45,7 +45,7 @@ def test_a_model_that_cannot_start_gets_503_and_the_port_stays(
     doc = json.loads(str(body))
     assert doc["provider"] == "broken" and "retry_after_s" in doc, doc
     # The error names the cause: the model exited with status 3 before it was ready.
-    assert re.search(r"status 3|exit", str(doc["error"])), doc
+    assert re.search(r"status 3|exit", str(doc["message"])), doc
     assert ct.active("provider@broken.socket") == "active"
     assert ct.sh("systemctl is-failed -q provider@broken.socket", check=False).rc != 0
     assert ct.listening(port)
@@ -122,7 +122,7 @@ def test_a_gpu_provider_on_a_host_without_nvidia_gets_503_saying_why(
     assert code == "503", r
     doc = json.loads(body)
     assert doc["provider"] == "needs_gpu"
-    assert "NVML is unavailable" in doc["error"], doc
+    assert "NVML is unavailable" in doc["message"], doc
     assert ct.listening(gpu)
     assert ct.active("provider-worker@needs_gpu.service") == "inactive"
     r = ct.sh(f"curl -sS -m 60 -o /dev/null -w '%{{http_code}}' http://127.0.0.1:{cpu}/")

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from agent.net import proxy, sockio
+from agent.net import sockio
 from agent.net.proxy import Unavailable, serve_http, serve_tcp
 from agent.net.upstream import Upstream
 from agent.spec.provider import Address
@@ -580,7 +580,8 @@ def test_unavailable_answers_503_json_with_retry_after_and_keeps_the_connection(
             assert status == 503 and headers["retry-after"] == "3"
             assert "connection" not in headers
             assert json.loads(body) == {
-                "error": "worker failed to start",
+                "error": "unavailable",
+                "message": "worker failed to start",
                 "provider": "demo",
                 "retry_after_s": 2.5,
                 "state": "failed",
@@ -644,7 +645,7 @@ def test_worker_closing_before_the_response_gives_503() -> None:
             await client.send(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 1\r\n\r\nx")
             status, headers, body = await client.response()
             assert status == 503 and headers["retry-after"] == "1"
-            assert "before answering" in json.loads(body)["error"]
+            assert "before answering" in json.loads(body)["message"]
             assert backend.active == 0
             client.close()
             await px.settle()
@@ -661,7 +662,7 @@ def test_worker_refusing_connections_gives_503() -> None:
             await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
             status, _, body = await client.response()
             assert status == 503
-            assert "does not accept connections" in json.loads(body)["error"]
+            assert "does not accept connections" in json.loads(body)["message"]
             assert backend.active == 0
             client.close()
             await px.settle()
@@ -728,10 +729,9 @@ def test_request_timeout_gives_504_and_the_connection_goes_on() -> None:
             await client.send(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n")
             status, _, body = await client.response()
             assert status == 504
-            assert (
-                json.loads(body)["error"]
-                == "no response from the worker for 0.2 s (request_timeout_s)"
-            )
+            doc = json.loads(body)
+            assert doc["error"] == "upstream_timeout"
+            assert doc["message"] == "no response from the worker for 0.2 s (request_timeout_s)"
             assert backend.active == 0
             await client.send(b"GET /fast HTTP/1.1\r\nHost: t\r\n\r\n")
             assert (await client.response())[2] == b"ok"
@@ -1171,7 +1171,7 @@ def test_held_request_gets_503_when_the_start_fails() -> None:
             backend.gate.set()
             status, headers, body = await client.response()
             assert status == 503 and headers["retry-after"] == "4"
-            assert json.loads(body)["error"] == "worker exited with status 1"
+            assert json.loads(body)["message"] == "worker exited with status 1"
             assert backend.active == 0
             client.close()
             await px.settle()
@@ -1288,7 +1288,7 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout(
 def test_a_body_that_stops_coming_gets_408_and_releases_its_lease(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(proxy, "BODY_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(sockio, "BODY_TIMEOUT_S", 0.3)
 
     async def test() -> None:
         async with Setup(echo_worker) as (_, backend, px):

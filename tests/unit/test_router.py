@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from agent.net.http import ChunkedScanner
-from agent.router import router
-from agent.router.router import Refusal, Table, dechunk, model_of, quoted, target_address
+from agent.router import table as routing
+from agent.router.table import Refusal, Table, dechunk, model_of, quoted, target_address
 from agent.spec.provider import Address, Provider
 
 
@@ -99,7 +99,7 @@ def test_a_long_name_is_never_matched_against_patterns_and_is_shown_cut_short() 
     model = "x" * 100_000
     assert refusal(table, model).status == 404
     assert model not in table._cache
-    assert table.lookup("x" * router.PATTERN_NAME_MAX).slug == "a"
+    assert table.lookup("x" * routing.PATTERN_NAME_MAX).slug == "a"
     assert table.lookup("y" * 1000).slug == "b"  # exact names of any length still route
     shown = quoted(model)
     assert len(shown) < 200 and shown.endswith("... (100000 characters)")
@@ -111,7 +111,7 @@ def test_a_crafted_name_costs_little_against_a_backtracking_pattern() -> None:
     table = Table([provider("a", patterns=("llama-.*-.*-instruct",))])
     began = time.process_time()
     assert refusal(table, "llama-" + "-" * 40_000).status == 404
-    assert refusal(table, "llama-" + "-" * (router.PATTERN_NAME_MAX - 6)).status == 404
+    assert refusal(table, "llama-" + "-" * (routing.PATTERN_NAME_MAX - 6)).status == 404
     assert time.process_time() - began < 0.1
 
 
@@ -129,16 +129,16 @@ def test_a_crafted_name_costs_little_against_a_backtracking_pattern() -> None:
     ],
 )
 def test_patterns_with_nested_repetition_are_left_out(pattern: str, nested: bool) -> None:
-    assert router.nested_repetition(pattern) is nested
+    assert routing.nested_repetition(pattern) is nested
     table = Table([provider("a", patterns=(pattern,))])
     assert (len(table.patterns), len(table.skipped)) == ((0, 1) if nested else (1, 0))
 
 
 def test_the_pattern_cache_is_bounded() -> None:
     table = Table([provider("a", patterns=("n[0-9]+",))])
-    for i in range(router.CACHE_MAX + 10):
+    for i in range(routing.CACHE_MAX + 10):
         table.lookup(f"n{i}")
-    assert len(table._cache) <= router.CACHE_MAX
+    assert len(table._cache) <= routing.CACHE_MAX
 
 
 def test_listing_has_every_exact_name_and_no_pattern() -> None:

@@ -681,7 +681,7 @@ def test_a_claimed_content_length_costs_only_what_arrives(
 def test_a_body_that_stops_coming_is_408_and_the_router_can_idle(
     start: Callable[..., RunningRouter], beta: FakeProvider, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(router_module, "BODY_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(sockio, "BODY_TIMEOUT_S", 0.3)
     r = start(beta.provider(patterns=("b-.*",)), idle=0.5, exit_on_idle=True)
     c = Client(r.port)
     c.send(

@@ -84,7 +84,7 @@ def test_no_room_refuses_naming_the_busy_holders_and_never_cuts_them(
     doc = json.loads(check["d"]["body"])
     why = f"{doc}\n{check.get('journal', '')}"
     assert doc["provider"] == "gpu_d"
-    assert doc["error"].startswith("Not enough GPU memory for gpu_d"), why
+    assert doc["message"].startswith("Not enough GPU memory for gpu_d"), why
     holders = {h["slug"]: h for h in doc["holders"]}
     assert set(holders) == {"gpu_a", "gpu_c"}, why
     assert all(h["busy"] and h["requests_in_flight"] >= 1 for h in holders.values()), doc

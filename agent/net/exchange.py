@@ -1,0 +1,534 @@
+"""One HTTP request through the core, from its parsed head to the end of its response.
+
+The gate (`site.gate(req)`: go on, or an answer) → the lease → the target (for a front:
+the worker once ready and a `max_concurrency` slot; for the router: the provider its body
+names) → a kept upstream connection or a new one (connects retried while the upstream
+runs) → the request as received, then its body as it arrives → the response as produced.
+The usual request does all of that in the callbacks that bring its bytes, with no task:
+one is made only when something must be waited for (a start, a slot, a connect).
+
+`request_timeout_s` is an inactivity limit: to the first byte of the response and between
+any two bytes either way (504 before the response began, a cut after). A body that sends
+nothing for sockio.BODY_TIMEOUT_S gets 408.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine, Mapping
+from typing import Any, Protocol
+
+from agent.net import sockio
+from agent.net.answers import Answer, answers, made_up
+from agent.net.client import ClientConn
+from agent.net.http import ChunkedScanner, HttpError, RequestHead, ResponseHead, error_response
+from agent.net.sockio import BUFFER_SIZE, error_text
+from agent.net.upconn import UpstreamConn, UpstreamGone
+from agent.spec.provider import Address
+
+Target = tuple[Address, int]  # where, and the upstream's generation (kept connections match it)
+
+
+class Lease(Protocol):
+    def release(self) -> None:
+        """End this unit of in-flight work. Idempotent."""
+
+
+class Site(Protocol):
+    """What a listener adds to the core (agent.net.site.FrontSite, the router's RouterSite).
+
+    Each method answers one question about request `ex`; those that refuse raise (and
+    `refusal` turns what they raised into an answer) or return an `Answer`."""
+
+    @property
+    def peer(self) -> str:
+        """ "worker", "provider": the upstream, in messages."""
+
+    @property
+    def collects(self) -> bool:
+        """The whole body is read before the target is asked for."""
+
+    @property
+    def max_body(self) -> int:
+        """With `collects`: 413 beyond it."""
+
+    @property
+    def request_timeout_s(self) -> float:
+        """An inactivity limit; <= 0: none."""
+
+    def gate(self, req: RequestHead) -> Answer | None: ...
+    def lease(self, ex: Exchange) -> Lease: ...
+    def refusal(self, e: Exception) -> Answer | None: ...
+    def collecting(self, ex: Exchange) -> None: ...
+    def too_large(self) -> Answer: ...
+    def target_now(self, ex: Exchange) -> Target | None: ...
+    async def target(self, ex: Exchange) -> Target: ...
+    def kept(self, ex: Exchange, target: Target) -> UpstreamConn | None: ...
+    async def connect(self, ex: Exchange, target: Target) -> UpstreamConn: ...
+    def unreachable(self, ex: Exchange, target: Target, why: str) -> Answer: ...
+    async def upstream_gone(self, ex: Exchange, why: str) -> Answer: ...
+    def broken(self, ex: Exchange, err: HttpError) -> Answer: ...
+    def pass_interim(self, ex: Exchange, resp: ResponseHead) -> bool: ...
+    def final_head(self, ex: Exchange, resp: ResponseHead) -> None: ...
+    def answered(self, ex: Exchange, status: int) -> None: ...
+    def release_slot(self, ex: Exchange, up: UpstreamConn | None) -> None: ...
+    def shown(self, target: str) -> str: ...
+
+
+log = logging.getLogger(__name__)
+
+# Methods whose request may be sent again on a new connection when a kept one turns out closed.
+IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+HELD_MAX = BUFFER_SIZE  # body bytes held while the upstream connection is not there yet
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class ClientGone(Exception):
+    """The client went away."""
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+class Exchange:
+    def __init__(self, conn: ClientConn, site: Site, req: RequestHead, head_end: int) -> None:
+        self.conn = conn
+        self.site = site
+        self.req = req
+        self.loop = conn.loop
+        self.lease: Lease | None = None
+        self.slot = False
+        self.target: Target | None = None
+        self.up: UpstreamConn | None = None
+        self.reused = False
+        self.attempt = 0
+        self.task: asyncio.Task[None] | None = None
+        self.started = False  # the final response head went to the client
+        self.interim = False  # a 1xx went to the client
+        self.up_shut = False  # the client's half-close went on to the upstream
+        self.over = False
+        self.resp: ResponseHead | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.last = 0.0  # loop time of the last byte either way
+        self.body_last = 0.0  # loop time of the last body byte from the client
+        self.scanner: ChunkedScanner | None = None
+        self.body_left = 0  # Content-Length bytes still to come
+        self.bulk_body = False
+        self.data = bytearray()  # the request as received so far, until it went upstream
+        self.label = ("", "")  # what a site counts the request under
+        self.continued = False  # a site sent `100 Continue` for this request
+        self.collects = site.collects  # the whole body is read before the target is known
+        buf = conn.buf
+        assert buf is not None
+        body_end = head_end
+        self.consumed = True  # the whole body has been read from the client
+        if req.body == "length":
+            have = conn.end - head_end
+            if have >= req.length:
+                body_end = head_end + req.length
+            else:
+                body_end = conn.end
+                self.body_left = req.length - have
+                self.consumed = False
+                self.bulk_body = self.body_left > BUFFER_SIZE
+        elif req.body == "chunked":
+            self.scanner = ChunkedScanner(strict=True)
+            at = self.scanner.scan(buf, head_end, conn.end)  # HttpError: the caller answers
+            body_end = at if at >= 0 else conn.end
+            self.consumed = at >= 0
+        self.data[:] = memoryview(buf)[conn.start : body_end]
+        self.head_len = head_end - conn.start
+        conn.start = body_end
+        self.keep_data = self.consumed and req.method in IDEMPOTENT
+
+    # -- the request's way in
+
+    def begin(self) -> None:
+        site, req = self.site, self.req
+        refused = site.gate(req)
+        if refused is not None:
+            self.answer(refused)
+            return
+        try:
+            self.lease = site.lease(self)
+        except Exception as e:
+            self.refuse(e)
+            return
+        if self.collects and not self.consumed:
+            self.arm()  # the body timeout, while the body is read
+            self.site.collecting(self)
+            return
+        self.begin_target()
+
+    def begin_target(self) -> None:
+        try:
+            target = self.site.target_now(self)
+        except Exception as e:
+            self.refuse(e)
+            return
+        if target is not None:
+            self.go(target)
+        elif not self.over:
+            self.spawn(self.wait_target())
+
+    def refuse(self, e: Exception) -> None:
+        answer = self.site.refusal(e)
+        if answer is None:
+            self.cancel()
+            self.conn.close()
+        else:
+            self.answer(answer)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        self.task = task = self.loop.create_task(coro)
+        task.add_done_callback(_retrieve)
+
+    async def wait_target(self) -> None:
+        try:
+            target = await self.site.target(self)
+        except asyncio.CancelledError:
+            self.task = None
+            if not self.over:
+                self.end(keep_client=False)
+            return
+        except Exception as e:
+            self.task = None
+            self.refuse(e)
+            return
+        self.task = None
+        if not self.over:
+            self.go(target)
+
+    def go(self, target: Target) -> None:
+        self.target = target
+        up = self.site.kept(self, target)
+        if up is not None:
+            self.attach(up, reused=True)
+        else:
+            self.spawn(self.connect())
+
+    async def connect(self) -> None:
+        target = self.target
+        assert target is not None
+        try:
+            up = await self.site.connect(self, target)
+        except asyncio.CancelledError:
+            self.task = None
+            if not self.over:
+                self.end(keep_client=False)
+            return
+        except OSError as e:
+            self.task = None
+            self.answer(self.site.unreachable(self, target, error_text(e)))
+            return
+        self.task = None
+        if self.over:
+            up.close()
+            return
+        self.attach(up, reused=False)
+
+    def attach(self, up: UpstreamConn, reused: bool) -> None:
+        self.up, self.reused = up, reused
+        self.attempt += 1
+        up.begin(self, self.req.method)
+        up.write(self.data)
+        if not self.keep_data:
+            self.data = bytearray()
+        self.arm()
+        self.conn.pause(4, False)
+        if self.conn.write_paused and up.transport is not None:
+            up.transport.pause_reading()
+        if self.up_shut or (self.conn.eof and self.consumed):
+            self.client_eof()
+
+    # -- the body, as the client sends it (ClientConn.to_exchange)
+
+    def body_wanted(self) -> bool:
+        return not self.consumed
+
+    def body_bytes(self, view: memoryview) -> int:
+        """Take what of `view` belongs to the body; returns how many bytes."""
+        if self.scanner is not None:
+            conn = self.conn
+            assert conn.buf is not None
+            at = self.scanner.scan(conn.buf, conn.start, conn.end)
+            used = (at - conn.start) if at >= 0 else len(view)
+            self.consumed = at >= 0
+        else:
+            used = min(len(view), self.body_left)
+            self.body_left -= used
+            self.consumed = self.body_left == 0
+        self.body_last = self.last = self.loop.time()
+        if self.up is not None:
+            self.up.write(view[:used])
+        else:
+            self.data += view[:used]
+            if self.collects:
+                limit = self.site.max_body
+                if len(self.data) - self.head_len > limit:
+                    self.answer(self.site.too_large(), close=True)
+                elif self.consumed:
+                    self.disarm()
+                    self.begin_target()
+            elif len(self.data) > HELD_MAX:
+                self.conn.pause(4, True)
+        return used
+
+    # -- the response (UpstreamConn's callbacks)
+
+    def on_interim(self, resp: ResponseHead, head: memoryview) -> None:
+        if self.site.pass_interim(self, resp):
+            self.interim = True
+            self.on_data(head)
+
+    def on_final(self, resp: ResponseHead) -> None:
+        self.site.final_head(self, resp)  # may raise HttpError: answered as the site says
+        self.resp = resp
+        self.started = True
+
+    def on_data(self, data: memoryview) -> None:
+        self.last = self.loop.time()
+        self.conn.write(data)
+
+    def on_end(self, reusable: bool) -> None:
+        resp, req = self.resp, self.req
+        assert resp is not None
+        self.site.answered(self, resp.status)
+        keep_up = reusable and resp.keep_alive and req.keep_alive and not self.up_shut
+        keep = (
+            req.keep_alive
+            and resp.keep_alive
+            and resp.body != "close"
+            and not self.conn.eof
+            and self.consumed
+        )
+        self.end(keep_client=keep, keep_up=keep_up)
+
+    def on_tunnel(self, up: UpstreamConn) -> None:
+        """After a 101 (or a 2xx to CONNECT): bytes both ways, the lease kept until both close."""
+        self.disarm()
+        conn = self.conn
+        assert up.transport is not None
+        ahead = conn.ahead + conn.take_pending()
+        conn.ahead = b""
+        if ahead:
+            up.write(ahead)
+        conn.tunnel = up.transport
+        self.site.release_slot(self, None)  # a tunnel's connection is its own: out of the slots
+        conn.pause(7, False)
+        if conn.eof:
+            self.tunnel_half()
+
+    def tunnel_eof(self, up: UpstreamConn) -> None:
+        transport = self.conn.transport
+        if transport is not None and not self.conn.closed and transport.can_write_eof():
+            transport.write_eof()
+        if self.conn.eof:
+            self.tunnel_lost()
+
+    def tunnel_half(self) -> None:
+        if self.up is not None:
+            if self.up.eof:
+                self.tunnel_lost()
+            elif self.up.transport is not None and self.up.transport.can_write_eof():
+                self.up.transport.write_eof()
+
+    def tunnel_lost(self) -> None:
+        up, self.up = self.up, None
+        if up is not None:
+            up.close()
+        self.end(keep_client=False)
+
+    # -- what goes wrong
+
+    def upstream_failed(self, err: HttpError) -> None:
+        """The upstream broke HTTP (502), or the site refused its answer."""
+        self.drop_up()
+        if self.started:
+            log.debug("Failed to relay a response: %s", err.reason)
+            self.end(keep_client=False, cut=True)
+            return
+        self.answer(self.site.broken(self, err), close=True)
+
+    def upstream_gone(self, e: UpstreamGone) -> None:
+        up = self.up
+        self.drop_up()
+        if self.started:
+            log.debug("Failed to relay a response: %s", e)
+            self.end(keep_client=False, cut=True)
+            return
+        if (
+            up is not None
+            and self.reused
+            and self.attempt == 1
+            and not self.interim
+            and self.keep_data
+            and self.target is not None
+        ):
+            self.spawn(self.connect())  # a kept connection closed just now: a new one, once
+            return
+        self.spawn(self.gone(e))
+
+    async def gone(self, e: UpstreamGone) -> None:
+        answer = await self.site.upstream_gone(self, str(e))
+        self.task = None
+        if not self.over:
+            self.answer(answer)
+
+    def client_eof(self) -> None:
+        """The client half-closed: it gave up if it waits, or the upstream learns of it."""
+        if self.over:
+            return
+        if self.conn.tunnel is not None:
+            self.tunnel_half()
+        elif not self.consumed:
+            self.cancel()  # in the middle of its body
+        elif self.up is None:
+            self.cancel()  # it waited for the start or a slot, and left
+        elif not self.up_shut:
+            self.up_shut = True
+            self.up.shut_write()  # pass the half-close on; the response still flows back
+
+    def client_lost(self, exc: Exception | None) -> None:
+        self.cancel()
+
+    def cancel(self) -> None:
+        if self.over:
+            return
+        if self.task is not None:
+            self.task.cancel()
+            self.task = None
+        self.drop_up()
+        self.end(keep_client=False)
+
+    def pause_upstream(self, on: bool) -> None:
+        up = self.up
+        if up is not None and up.transport is not None and not up.dead:
+            if on:
+                up.transport.pause_reading()
+            else:
+                up.transport.resume_reading()
+
+    def pause_client(self, on: bool) -> None:
+        self.conn.pause(2, on)
+
+    # -- timers: request_timeout_s (inactivity), sockio.BODY_TIMEOUT_S
+
+    def arm(self) -> None:
+        self.body_last = self.last = self.loop.time()
+        due = self.due()
+        if due is not None:
+            self.timer = self.loop.call_at(due, self.tick)
+
+    def due(self) -> float | None:
+        limit = self.site.request_timeout_s
+        due = self.last + limit if limit > 0 else None
+        if not self.consumed:
+            body_due = self.body_last + sockio.BODY_TIMEOUT_S
+            due = body_due if due is None else min(due, body_due)
+        return due
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def tick(self) -> None:
+        self.timer = None
+        if self.over:
+            return
+        now = self.loop.time()
+        if not self.consumed and now >= self.body_last + sockio.BODY_TIMEOUT_S:
+            self.drop_up()
+            if self.started:
+                self.end(keep_client=False, cut=True)
+            else:
+                self.answer(
+                    Answer(408, f"no byte of the request body for {sockio.BODY_TIMEOUT_S:g} s"),
+                    close=True,
+                )
+            return
+        limit = self.site.request_timeout_s
+        if limit > 0 and now >= self.last + limit:
+            self.drop_up()
+            what = f"no response from the {self.site.peer} for {limit:g} s (request_timeout_s)"
+            if self.started:
+                answers.log("cut", "Cut a response: %s", what)
+                self.end(keep_client=False, cut=True)
+            else:
+                self.answer(Answer(504, what))
+            return
+        due = self.due()
+        if due is not None:
+            self.timer = self.loop.call_at(due, self.tick)
+
+    # -- the end
+
+    def answer(self, a: Answer, close: bool = False) -> None:
+        """Answer the request ourselves; the connection goes on if its body has been read."""
+        if self.over:
+            return
+        self.drop_up()
+        req = self.req
+        close = close or a.close or not (req.keep_alive and self.consumed)
+        self.site.answered(self, a.status)
+        what = f"{req.method} {self.site.shown(req.target)}"
+        self.conn.write(self.conn_answer(a, close=close, head_only=req.method == "HEAD", what=what))
+        self.end(keep_client=not close, answered_close=close)
+
+    def reply(self, status: int, doc: Mapping[str, object]) -> None:
+        """Answer with a document of the site's own (the router's model list)."""
+        req = self.req
+        close = not (req.keep_alive and self.consumed)
+        self.site.answered(self, status)
+        self.conn.write(error_response(status, doc, close=close, head_only=req.method == "HEAD"))
+        self.end(keep_client=not close)
+
+    def send_continue(self) -> None:
+        """`100 Continue` from here (a site that reads the body before it picks the target)."""
+        req = self.req
+        if req.expect_continue and req.version == 11 and not self.continued:
+            self.continued = True
+            self.conn.write(CONTINUE)
+
+    def conn_answer(self, a: Answer, *, close: bool, head_only: bool, what: str) -> bytes:
+        return made_up(self.conn.style, a, close=close, head_only=head_only, what=what)
+
+    def drop_up(self) -> None:
+        up, self.up = self.up, None
+        if up is not None:
+            up.close()
+
+    def end(
+        self,
+        *,
+        keep_client: bool,
+        keep_up: bool = False,
+        cut: bool = False,
+        answered_close: bool = False,
+    ) -> None:
+        if self.over:
+            return
+        self.over = True
+        self.disarm()
+        if self.task is not None:
+            self.task.cancel()
+            self.task = None
+        up, self.up = self.up, None
+        self.site.release_slot(self, up if keep_up else None)
+        if up is not None and not keep_up:
+            up.close()
+        if self.lease is not None:
+            lease, self.lease = self.lease, None
+            lease.release()
+        conn = self.conn
+        if conn.ex is self:
+            conn.tunnel = None
+            if cut:
+                conn.ex = None
+                conn.close()
+            else:
+                conn.request_done(keep_client)

@@ -1,0 +1,127 @@
+"""The opaque TCP relay (`protocol = "tcp"`): bytes both ways between two transports,
+half-close aware, with back-pressure (a side whose peer's write buffer is full stops
+reading). While the worker is not there yet, the client's first bytes wait (bounded) and
+its EOF means it gave up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar, cast
+
+from agent.net.sockio import BUFFER_SIZE, BULK_SIZE
+from agent.net.upstream import connect_retrying
+from agent.spec.provider import Address
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client closed its connection while it waited."""
+
+
+class _Side(asyncio.Protocol):
+    def __init__(self, relay: TcpRelay) -> None:
+        self.relay = relay
+        self.transport: asyncio.Transport | None = None
+        self.peer: _Side | None = None
+        self.eof = False
+        self.held = bytearray()  # what came before the peer was there
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(high=BULK_SIZE)
+
+    def data_received(self, data: bytes) -> None:
+        peer = self.peer
+        if peer is not None and peer.transport is not None:
+            peer.transport.write(data)
+            return
+        self.held += data
+        if len(self.held) >= BUFFER_SIZE and self.transport is not None:
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        peer = self.peer
+        if peer is None:
+            self.relay.gone()
+            return False
+        if peer.eof:
+            self.relay.close()
+            return False
+        if peer.transport is not None and peer.transport.can_write_eof():
+            peer.transport.write_eof()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof = True
+        self.relay.close()
+
+    def pause_writing(self) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.resume_reading()
+
+    def link(self, peer: _Side) -> None:
+        self.peer = peer
+        if self.held and peer.transport is not None:
+            peer.transport.write(bytes(self.held))
+            self.held.clear()
+            if self.transport is not None:
+                self.transport.resume_reading()
+        if self.eof and peer.transport is not None and peer.transport.can_write_eof():
+            peer.transport.write_eof()
+
+
+class TcpRelay:
+    def __init__(self) -> None:
+        self.client = _Side(self)
+        self.up: _Side | None = None
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.gave_up = False
+        self._waiting: asyncio.Task[Any] | None = None
+
+    def gone(self) -> None:
+        """The client's EOF before the worker was there: it gave up."""
+        self.gave_up = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+        self.close()
+
+    async def watched(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro` as a task that the client's leaving cancels (ClientGone)."""
+        task = asyncio.ensure_future(coro)
+        self._waiting = task
+        try:
+            return await task
+        finally:
+            self._waiting = None
+
+    async def connect(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        address: Address,
+        alive: Callable[[], bool],
+        source: str | None,
+    ) -> None:
+        sock = await self.watched(connect_retrying(loop, address, alive, source))
+        if self.done.done():
+            sock.close()
+            return
+        up = _Side(self)
+        await loop.connect_accepted_socket(lambda: up, sock)
+        self.up = up
+        up.link(self.client)
+        self.client.link(up)
+
+    def close(self) -> None:
+        for side in (self.client, self.up):
+            if side is not None and side.transport is not None:
+                side.transport.close()
+        if not self.done.done():
+            self.done.set_result(None)

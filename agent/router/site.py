@@ -1,0 +1,249 @@
+"""The router's site on the connection core: the model lookup.
+
+Per request: the gate (upgrades 501; what a web page could send, 403/415; a declared body
+over `max_body`, 413; then any hook added), the whole body read here (growing with what
+arrives, bounded by `max_body`; `Expect: 100-continue` answered here, since the body must
+be read to route), its `model` looked up, and the request sent as received to the
+provider's own first listen address on a kept connection or a new one. A `100 Continue`
+from the provider is dropped when the router already sent one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Protocol
+from urllib.parse import unquote
+
+from agent.net.answers import Answer, Style
+from agent.net.client import ClientConn
+from agent.net.exchange import Exchange, Target
+from agent.net.http import HttpError, RequestHead, ResponseHead
+from agent.net.origin import OriginCheck
+from agent.net.site import Gate, shown
+from agent.net.upconn import UpstreamConn
+from agent.net.upstream import Upstream, connect_retrying
+from agent.router.table import (
+    MODELS_PATH,
+    Refusal,
+    Table,
+    dechunk,
+    model_of,
+    quoted,
+    target_address,
+)
+from agent.spec.provider import Provider
+from agent.spec.settings import RouterConfig
+
+
+class Routing(Protocol):
+    """What the site asks of the router (agent.router.router.Router)."""
+
+    table: Table
+    config: RouterConfig
+    origin: OriginCheck
+    systemd: bool
+
+    def begin(self, conn: ClientConn) -> None: ...
+    def end(self, conn: ClientConn) -> None: ...
+    def count(self, provider: str, model: str, status: int) -> None: ...
+
+
+log = logging.getLogger("providerd.router")
+KEPT_PER_PROVIDER = 256  # idle connections kept to one provider's front
+
+
+class _Lease:
+    __slots__ = ("conn", "router")
+
+    def __init__(self, router: Routing, conn: ClientConn) -> None:
+        self.router: Routing | None = router
+        self.conn = conn
+        router.begin(conn)
+
+    def release(self) -> None:
+        if self.router is not None:
+            router, self.router = self.router, None
+            router.end(self.conn)
+
+
+class RouterSite:
+    peer = "provider"
+    collects = True
+    request_timeout_s = 0.0  # the providers' fronts time their own workers
+
+    def __init__(self, router: Routing, note: Callable[[int, str, str], None]) -> None:
+        self.router = router
+        self.note_refusal = note
+        self.request_gate: Gate | None = None
+        self.pools: dict[str, Upstream] = {}  # kept connections, per provider
+        self.providers: dict[str, Provider] = {}
+
+    @property
+    def max_body(self) -> int:
+        return self.router.config.max_body
+
+    def style(self) -> Style:
+        return Style(openai=True, log=self.note)
+
+    def note(self, a: Answer, what: str) -> None:
+        self.note_refusal(a.status, what or "a request", a.message)
+
+    def exchange(self, conn: ClientConn, req: RequestHead, head_end: int) -> None:
+        try:
+            ex = Exchange(conn, self, req, head_end)
+        except HttpError as e:
+            conn.answer(Answer(e.status, e.reason, "invalid_request"), close=True)
+            return
+        conn.ex = ex
+        conn.to_exchange()
+        ex.begin()
+
+    def gate(self, req: RequestHead) -> Answer | None:
+        if req.upgrade:
+            return Answer(
+                501,
+                "The router does not forward CONNECT or protocol upgrades; "
+                "use the provider's own address",
+                "not_implemented",
+                close=True,
+            )
+        refused = self.router.origin.check(req)
+        if refused is not None:
+            status, message, code = refused
+            return Answer(status, message, code, close=True)
+        if req.body == "length" and req.length > self.max_body:
+            return self.too_large()
+        if self.request_gate is not None:
+            return self.request_gate(req)
+        return None
+
+    def too_large(self) -> Answer:
+        limit = self.max_body
+        return Answer(
+            413,
+            f"The request body is larger than the router's limit of {limit} bytes "
+            "([router] max_body in providerd.toml)",
+            "request_too_large",
+            close=True,
+        )
+
+    def lease(self, ex: Exchange) -> _Lease:
+        return _Lease(self.router, ex.conn)
+
+    def collecting(self, ex: Exchange) -> None:
+        ex.send_continue()
+
+    def refusal(self, e: Exception) -> Answer | None:
+        if isinstance(e, Refusal):
+            return Answer(e.status, e.message, e.code, kind=e.kind)
+        log.debug("Failed to route a request: %s", e, exc_info=e)
+        return None
+
+    def target_now(self, ex: Exchange) -> Target | None:
+        """The provider the body names (raises Refusal), or None: answered here."""
+        req = ex.req
+        path = req.path
+        table = self.router.table
+        if req.method in ("GET", "HEAD") and (
+            path == MODELS_PATH or path.startswith(MODELS_PATH + "/")
+        ):
+            self.local(ex, path)
+            return None
+        data, start = ex.data, ex.head_len
+        if req.body == "chunked":
+            body = dechunk(data, start, len(data))
+        else:
+            body = bytes(memoryview(data)[start:])
+        model = model_of(body)
+        provider = table.lookup(model)
+        ex.label = (provider.slug, model if model in table.names else "")
+        self.providers[provider.slug] = provider
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "Routing %s %s for model %s to %s",
+                req.method,
+                quoted(req.target),
+                quoted(model),
+                provider.slug,
+            )
+        return target_address(provider.addresses[0]), 0
+
+    def local(self, ex: Exchange, path: str) -> None:
+        """`GET /v1/models` and `GET /v1/models/<name>`."""
+        table = self.router.table
+        if path in (MODELS_PATH, MODELS_PATH + "/"):
+            ex.reply(200, table.listing())
+            return
+        name = unquote(path[len(MODELS_PATH) + 1 :])
+        ex.reply(200, table.entry(name, table.lookup(name)))  # Refusal: 404, 409
+
+    async def target(self, ex: Exchange) -> Target:
+        raise AssertionError("the router's target is known at once")
+
+    def pool(self, slug: str) -> Upstream:
+        pool = self.pools.get(slug)
+        if pool is None:
+            pool = self.pools[slug] = Upstream(KEPT_PER_PROVIDER, 1 << 30)
+        return pool
+
+    def close(self) -> None:
+        """Close the kept connections (the router stops)."""
+        for pool in self.pools.values():
+            pool.clear()
+
+    def kept(self, ex: Exchange, target: Target) -> UpstreamConn | None:
+        up = self.pool(ex.label[0]).take_idle(0)
+        return up if isinstance(up, UpstreamConn) else None
+
+    async def connect(self, ex: Exchange, target: Target) -> UpstreamConn:
+        loop = asyncio.get_running_loop()
+        sock = await connect_retrying(loop, target[0], lambda: False)  # refused: 503 at once
+        _, up = await loop.connect_accepted_socket(lambda: UpstreamConn(0, "provider"), sock)
+        return up
+
+    def unreachable(self, ex: Exchange, target: Target, why: str) -> Answer:
+        slug = ex.label[0]
+        hint = f"; is provider@{slug}.socket started?" if self.router.systemd else ""
+        return Answer(
+            503,
+            f'Failed to reach provider "{slug}" at {target[0]}: {why}{hint}',
+            "provider_unavailable",
+            kind="server_error",
+        )
+
+    async def upstream_gone(self, ex: Exchange, why: str) -> Answer:
+        return self.bad_gateway(ex, why)
+
+    def broken(self, ex: Exchange, err: HttpError) -> Answer:
+        return self.bad_gateway(ex, err.reason)
+
+    def bad_gateway(self, ex: Exchange, reason: str) -> Answer:
+        return Answer(
+            502,
+            f'Failed to get an answer from provider "{ex.label[0]}": {reason}',
+            "bad_gateway",
+            kind="server_error",
+            close=True,
+        )
+
+    def pass_interim(self, ex: Exchange, resp: ResponseHead) -> bool:
+        return not (resp.status == 100 and ex.continued)
+
+    def final_head(self, ex: Exchange, resp: ResponseHead) -> None:
+        if resp.body == "tunnel":
+            raise HttpError(502, "the provider switched protocols, which is not routed")
+
+    def answered(self, ex: Exchange, status: int) -> None:
+        self.router.count(*ex.label, status)
+
+    def release_slot(self, ex: Exchange, up: UpstreamConn | None) -> None:
+        if up is not None:
+            if up.usable():
+                self.pool(ex.label[0]).keep(up, 0)
+            else:
+                up.close()
+
+    def shown(self, target: str) -> str:
+        return shown(target)

@@ -1,0 +1,210 @@
+"""The router's pure parts: the routing table (model name → provider), the requested
+`model` of a JSON body, refusals as OpenAI-style errors.
+
+The requested name is only ever a dictionary key or a regular expression's subject:
+it reaches log lines and messages through `quoted()` (JSON-escaped, cut short), never a
+command line or a path.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from importlib import import_module
+from typing import Any
+
+from agent.spec.provider import Address, Provider
+
+MODELS_PATH = "/v1/models"
+NAME_SHOWN_MAX = 120  # characters of a requested name shown in logs and messages
+CACHE_MAX = 4096  # pattern lookups remembered
+PATTERN_NAME_MAX = 256  # longer names are looked up exactly, never matched against patterns
+
+
+class Refusal(Exception):
+    """A request the router answers itself, with an OpenAI-style error body."""
+
+    def __init__(
+        self, status: int, message: str, code: str, kind: str = "invalid_request_error"
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.kind = kind
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.kind, "code": self.code}}
+
+
+def quoted(name: str) -> str:
+    """A client-chosen string as it may appear in a log line or a message: JSON-escaped
+    (control characters, quotes and non-ASCII written as escapes) and cut short."""
+    if len(name) > NAME_SHOWN_MAX:
+        return f"{json.dumps(name[:NAME_SHOWN_MAX])}... ({len(name)} characters)"
+    return json.dumps(name)
+
+
+def target_address(address: Address) -> Address:
+    """Where to connect for a listen address: a wildcard host means this host's loopback."""
+    if address.host == "0.0.0.0":
+        return Address("127.0.0.1", address.port)
+    if address.host == "::":
+        return Address("::1", address.port)
+    return address
+
+
+class Table:
+    """Model name → provider. Exact names first, then patterns (full match). A name that
+    patterns of two providers match is refused (409) rather than guessed: `providerctl
+    check` cannot see every overlap between two regular expressions."""
+
+    def __init__(self, providers: Iterable[Provider], created: Mapping[str, int] | None = None):
+        self.providers = sorted(providers, key=lambda p: p.slug)
+        self.names: dict[str, Provider] = {}
+        self.patterns: list[tuple[re.Pattern[str], Provider]] = []
+        self.skipped: list[str] = []  # patterns left out, with why
+        for p in self.providers:
+            for name in p.model_names:
+                self.names.setdefault(name, p)  # collisions were refused by the manifest checks
+            for pattern in p.model_patterns:
+                if nested_repetition(pattern):
+                    self.skipped.append(
+                        f'provider "{p.slug}": pattern {quoted(pattern)} repeats a repetition '
+                        "(like (a+)+), which can take exponential time on a crafted name"
+                    )
+                    continue
+                self.patterns.append((re.compile(pattern), p))
+        self.created = dict(created or {})
+        self._cache: dict[str, tuple[Provider, ...]] = {}
+
+    def matches(self, model: str) -> tuple[Provider, ...]:
+        """The providers whose names or patterns take `model`: one, none, or (patterns
+        only) several."""
+        exact = self.names.get(model)
+        if exact is not None:
+            return (exact,)
+        if len(model) > PATTERN_NAME_MAX:
+            return ()  # bounds the cost of any one lookup: patterns see short names only
+        hit = self._cache.get(model)
+        if hit is None:
+            found: list[Provider] = []
+            for rx, p in self.patterns:
+                if (not found or found[-1] is not p) and p not in found and rx.fullmatch(model):
+                    found.append(p)
+            hit = tuple(found)
+            if len(self._cache) >= CACHE_MAX:
+                self._cache.clear()
+            self._cache[model] = hit
+        return hit
+
+    def lookup(self, model: str) -> Provider:
+        """The provider that serves `model`. Raises Refusal (404, or 409 when ambiguous)."""
+        found = self.matches(model)
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            raise Refusal(
+                404,
+                f"The model {quoted(model)} does not exist: no provider serves it "
+                f"(GET {MODELS_PATH} lists the model names)",
+                "model_not_found",
+            )
+        who = ", ".join(f'"{p.slug}"' for p in found)
+        raise Refusal(
+            409,
+            f"The model {quoted(model)} is matched by patterns of several providers ({who}); "
+            "narrow their [models] patterns so that one provider serves it",
+            "model_ambiguous",
+        )
+
+    def entry(self, name: str, provider: Provider) -> dict[str, object]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created.get(provider.slug, 0),
+            "owned_by": provider.slug,
+        }
+
+    def listing(self) -> dict[str, object]:
+        """`GET /v1/models`: every exact name, in OpenAI's list format."""
+        return {"object": "list", "data": [self.entry(n, p) for n, p in self.names.items()]}
+
+
+# The regular expression parser's own tree (untyped, private, stable since 3.11).
+re_parser: Any = import_module("re._parser")
+re_constants: Any = import_module("re._constants")
+
+
+def nested_repetition(pattern: str) -> bool:
+    """A repetition inside a repetition (`(a+)+`, `(x*y?)*`): the shape whose backtracking
+    grows exponentially with the subject's length."""
+    try:
+        tree = re_parser.parse(pattern)
+    except re.error:
+        return False
+
+    def walk(items: Iterable[tuple[Any, Any]], inside: bool) -> bool:
+        for op, arg in items:
+            if op in (re_constants.MAX_REPEAT, re_constants.MIN_REPEAT):
+                low, high, sub = arg
+                varies = high is re_constants.MAXREPEAT or high != low
+                if varies and inside:
+                    return True
+                unbounded = high is re_constants.MAXREPEAT or high > 1
+                if walk(sub, inside or unbounded):
+                    return True
+            elif (op == re_constants.SUBPATTERN and walk(arg[-1], inside)) or (
+                op == re_constants.BRANCH and any(walk(b, inside) for b in arg[1])
+            ):
+                return True
+        return False
+
+    return walk(tree, False)
+
+
+def dechunk(buf: bytes | bytearray, start: int, end: int) -> bytes:
+    """The data of the complete chunked body in buf[start:end] (framing already checked by
+    ChunkedScanner): chunk extensions and trailers dropped."""
+    out = bytearray()
+    pos = start
+    while pos < end:
+        nl = buf.index(b"\n", pos, end)
+        size = int(bytes(buf[pos:nl]).split(b";", 1)[0].strip(b" \t\r"), 16)
+        pos = nl + 1
+        if size == 0:
+            break
+        out += buf[pos : pos + size]
+        pos = buf.index(b"\n", pos + size, end) + 1
+    return bytes(out)
+
+
+def model_of(body: bytes | bytearray) -> str:
+    """The top-level `model` of a JSON request body. Raises Refusal(400)."""
+    if not body or body.isspace():
+        raise Refusal(
+            400,
+            'The request has no body; the router routes by the "model" field of a JSON body',
+            "missing_model",
+        )
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        raise Refusal(
+            400,
+            'The request body is not valid JSON; the router routes by its "model" field',
+            "invalid_json",
+        ) from None
+    if not isinstance(doc, dict):
+        raise Refusal(
+            400,
+            'The request body is not a JSON object; the router routes by its "model" field',
+            "invalid_json",
+        )
+    model = doc.get("model")
+    if model is None:
+        raise Refusal(400, 'The request body has no "model" field', "missing_model")
+    if not isinstance(model, str) or not model:
+        raise Refusal(400, 'The request body\'s "model" is not a non-empty string', "invalid_model")
+    return model
