@@ -26,16 +26,8 @@ from typing import Any
 from agent.front import backoff as saved_backoff
 from agent.front.state import Action, Backoff, Event, State, step
 from agent.net import counters
-from agent.net.listeners import Listeners
-from agent.net.proxy import (
-    ClientConn,
-    FrontSite,
-    Style,
-    Unavailable,
-    accept_http,
-    serve_tcp,
-    too_many_waiting,
-)
+from agent.net.listeners import HttpListeners, Listeners
+from agent.net.proxy import FrontSite, Style, Unavailable, serve_tcp, too_many_waiting
 from agent.net.upstream import Upstream
 from agent.spec.provider import Address, Provider
 from agent.systemd import preload
@@ -81,25 +73,6 @@ class _Lease:
             self.front._lease_end()
 
 
-class _Grace:
-    """A new connection's first-request grace: until its first request arrives (at most
-    FIRST_REQUEST_GRACE_S), it keeps an idle exit from closing it; it does not restart the
-    idle timer."""
-
-    __slots__ = ("front", "timer")
-
-    def __init__(self, front: Front) -> None:
-        self.front: Front | None = front
-        front.fresh += 1
-        self.timer = asyncio.get_running_loop().call_later(FIRST_REQUEST_GRACE_S, self.end)
-
-    def end(self) -> None:
-        if self.front is not None:
-            front, self.front = self.front, None
-            self.timer.cancel()
-            front._fresh_end()
-
-
 class _Worker:
     """The Backend the data path sees: the front's worker, its leases and its slots."""
 
@@ -133,15 +106,26 @@ class _Worker:
 
 
 class _TcpConnection(_Worker):
-    """One TCP connection's Backend: its lease ends its grace."""
+    """One TCP connection's Backend, with its first-request grace: until its lease (at most
+    FIRST_REQUEST_GRACE_S), it keeps an idle exit from closing it; it does not restart the
+    idle timer."""
 
-    def __init__(self, front: Front, grace: _Grace) -> None:
+    def __init__(self, front: Front) -> None:
         super().__init__(front)
-        self.grace = grace
+        front._fresh(+1)
+        self.timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            FIRST_REQUEST_GRACE_S, self.end_grace
+        )
+
+    def end_grace(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+            self.front._fresh(-1)
 
     def lease(self, path: str | None) -> _Lease:
         lease = self.front.lease(path)
-        self.grace.end()
+        self.end_grace()
         return lease
 
 
@@ -199,13 +183,23 @@ class Front:
         self.counters = counters.load(provider.slug)  # where the last front left off
         self._flush_timer: asyncio.TimerHandle | None = None
 
-        self.listening = Listeners(listeners, self._connection, self.log)
+        self.site = FrontSite(_Worker(self))
+        self.listening: Listeners
+        if provider.protocol == "http":  # the connection core, no task per connection
+            self.listening = HttpListeners(
+                listeners,
+                self.site,
+                Style(provider.slug),
+                self.log,
+                FIRST_REQUEST_GRACE_S,
+                self._fresh,
+            )
+            self.site.on_request = self.listening.first_request
+        else:
+            self.listening = Listeners(listeners, self._tcp_connection, self.log)
         self._idle_timer: asyncio.TimerHandle | None = None
         self._backoff_timer: asyncio.TimerHandle | None = None
         self._connections: set[asyncio.Task[None]] = set()  # TCP relays
-        self._graces: dict[ClientConn, _Grace] = {}  # HTTP connections, until closed
-        self.site = FrontSite(_Worker(self), on_request=self._first_request)
-        self.style = Style(provider.slug)
         self._background: set[asyncio.Task[None]] = set()
         self._start_began = 0.0
         self._start_cause = ""
@@ -224,38 +218,23 @@ class Front:
         """Stop accepting for good: what arrives now waits in the kernel for the next front."""
         self.listening.stop()
 
-    def _connection(self, sock: socket.socket) -> None:
-        # The connection counts from now: an idle decision in this same turn of the loop
-        # must see it.
-        grace = _Grace(self)
-        if self.provider.protocol == "http":
-            conn = accept_http(sock, self.site, self.style, lambda: self._http_closed(conn))
-            self._graces[conn] = grace
-            return
-        task = asyncio.get_running_loop().create_task(self._serve_tcp(sock, grace))
+    def _tcp_connection(self, sock: socket.socket) -> None:
+        # The connection counts from now (its grace): an idle decision in this same turn of
+        # the loop must see it.
+        backend = _TcpConnection(self)
+        task = asyncio.get_running_loop().create_task(self._serve_tcp(sock, backend))
         self._connections.add(task)
         task.add_done_callback(self._tcp_done)
-
-    def _first_request(self, conn: ClientConn) -> None:
-        grace = self._graces.get(conn)
-        if grace is not None:
-            grace.end()
-
-    def _http_closed(self, conn: ClientConn) -> None:
-        grace = self._graces.pop(conn, None)
-        if grace is not None:
-            grace.end()
-        self.listening.closed()
 
     def _tcp_done(self, task: asyncio.Task[None]) -> None:
         self._connections.discard(task)
         self.listening.closed()
 
-    async def _serve_tcp(self, sock: socket.socket, grace: _Grace) -> None:
+    async def _serve_tcp(self, sock: socket.socket, backend: _TcpConnection) -> None:
         try:
-            await serve_tcp(sock, _TcpConnection(self, grace))
+            await serve_tcp(sock, backend)
         finally:
-            grace.end()
+            backend.end_grace()
 
     # ------------------------------------------------------------------ leases
 
@@ -292,8 +271,9 @@ class Front:
             self.provider.idle_timeout_s, self._idle
         )
 
-    def _fresh_end(self) -> None:
-        self.fresh -= 1
+    def _fresh(self, delta: int) -> None:
+        """A new connection began (+1) or ended (-1) its first-request grace."""
+        self.fresh += delta
         if self.fresh == 0 and self._idle_due:
             self._idle()
 
@@ -585,8 +565,8 @@ class Front:
         await self._stopped.wait()
         for task in list(self._connections):
             task.cancel()
-        for conn in list(self._graces):
-            conn.abort()
+        if isinstance(self.listening, HttpListeners):
+            self.listening.abort_all()
         self._flush()
         self.done.set()
 

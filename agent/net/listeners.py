@@ -15,12 +15,16 @@ accepting pauses for PAUSE_S, once logged, instead of spinning on the error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import resource
 import socket
 from collections.abc import Callable
 
+from agent.net.answers import Style
+from agent.net.client import ClientConn, Site
+from agent.net.proxy import accept_http
 from agent.net.ratelog import RateLog
 
 MAX_CONNECTIONS = 16384
@@ -139,3 +143,62 @@ class Listeners:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.open += 1
             self.on_connection(conn)
+
+
+class HttpListeners(Listeners):
+    """Listeners whose connections go to the connection core (`accept_http`), each with a
+    first-request grace: until its first request begins (`first_request`, at most
+    `grace_s`), a new connection counts as fresh (`on_fresh(+1)`, then `on_fresh(-1)`), so
+    an idle exit decided meanwhile does not cut a connection whose request is on its way.
+    `connections` holds every connection until it has closed."""
+
+    def __init__(
+        self,
+        sockets: list[socket.socket],
+        site: Site,
+        style: Style,
+        log: logging.Logger,
+        grace_s: float,
+        on_fresh: Callable[[int], None],
+    ) -> None:
+        super().__init__(sockets, self._accepted, log)
+        self.site = site
+        self.style = style
+        self.grace_s = grace_s
+        self.on_fresh = on_fresh
+        self.connections: dict[ClientConn, asyncio.TimerHandle | None] = {}
+        self.all_closed: asyncio.Event | None = None  # set once none is open, when asked for
+
+    def _accepted(self, sock: socket.socket) -> None:
+        conn = accept_http(sock, self.site, self.style, lambda: self._closed(conn))
+        loop = asyncio.get_running_loop()
+        self.connections[conn] = loop.call_later(self.grace_s, self.first_request, conn)
+        self.on_fresh(+1)
+
+    def first_request(self, conn: ClientConn) -> None:
+        """`conn` began a request, or its grace ran out: it is no longer fresh."""
+        timer = self.connections.get(conn)
+        if timer is not None:
+            timer.cancel()
+            self.connections[conn] = None
+            self.on_fresh(-1)
+
+    def _closed(self, conn: ClientConn) -> None:
+        self.first_request(conn)
+        self.connections.pop(conn, None)
+        self.closed()
+        if not self.connections and self.all_closed is not None:
+            self.all_closed.set()
+
+    def abort_all(self) -> None:
+        """End every connection at once (a release)."""
+        for conn in list(self.connections):
+            conn.abort()
+
+    async def wait_closed(self, timeout_s: float) -> None:
+        """Wait until every connection has closed, at most `timeout_s`."""
+        if self.connections:
+            self.all_closed = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await self.all_closed.wait()

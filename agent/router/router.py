@@ -39,9 +39,8 @@ from collections.abc import Callable, Iterable
 
 from agent.net import counters
 from agent.net.client import ClientConn
-from agent.net.listeners import Listeners
+from agent.net.listeners import HttpListeners
 from agent.net.origin import OriginCheck
-from agent.net.proxy import accept_http
 from agent.net.ratelog import RateLog
 from agent.router.site import RouterSite
 from agent.router.table import (
@@ -109,16 +108,17 @@ class Router:
         self.busy = 0  # requests in flight, plus new connections within their grace
         self.routed = 0
         self.done = asyncio.Event()
-        self.listening = Listeners(listeners, self._connection, log)
         self.origin = OriginCheck(config.addresses)
         self.in_flight = 0  # requests in flight
         self.site = RouterSite(self, self.note)
-        self.style = self.site.style()
+        # Each new connection counts as busy until its first request, FIRST_REQUEST_GRACE_S
+        # at most: counted in the accept callback itself, an idle exit decided in this same
+        # turn of the loop sees it.
+        self.listening = HttpListeners(
+            listeners, self.site, self.site.style(), log, FIRST_REQUEST_GRACE_S, self._busy
+        )
         self._idle_timer: asyncio.TimerHandle | None = None
-        self._fresh: dict[ClientConn, asyncio.TimerHandle] = {}
-        self._conns: set[ClientConn] = set()
         self._quiet: asyncio.Event | None = None  # set when no request is in flight (stop)
-        self._all_closed: asyncio.Event | None = None  # set when no connection is open (close)
         self.counters = counters.load_router()  # where the last router left off
         self._flush_timer: asyncio.TimerHandle | None = None
 
@@ -143,45 +143,20 @@ class Router:
     # -- accepting
 
     def start_accepting(self) -> None:
+        """Accept from now on (and exit once idle, under systemd)."""
         self.listening.start()
         self._arm_idle()
 
     def stop_accepting(self) -> None:
         self.listening.stop()
 
-    def _connection(self, sock: socket.socket) -> None:
-        # Counted in the accept callback itself: an idle exit decided in this same turn
-        # of the loop must see the connection, or it would cut it before its request.
-        conn = accept_http(sock, self.site, self.style, lambda: self._connection_closed(conn))
-        self._conns.add(conn)
-        self._busy(+1)
-        self._fresh[conn] = asyncio.get_running_loop().call_later(
-            FIRST_REQUEST_GRACE_S, self._grace_over, conn
-        )
-
-    def _connection_closed(self, conn: ClientConn) -> None:
-        self._conns.discard(conn)
-        self._grace_over(conn)
-        self.listening.closed()
-        if not self._conns and self._all_closed is not None:
-            self._all_closed.set()
-
     # -- what is in flight
-
-    def _grace_over(self, conn: ClientConn) -> None:
-        timer = self._fresh.pop(conn, None)
-        if timer is not None:
-            timer.cancel()
-            self._busy(-1)
 
     def begin(self, conn: ClientConn) -> None:
         """A request head arrived on `conn`."""
         self.in_flight += 1
-        timer = self._fresh.pop(conn, None)
-        if timer is not None:
-            timer.cancel()  # the connection's grace becomes its first request
-        else:
-            self._busy(+1)
+        self._busy(+1)
+        self.listening.first_request(conn)  # its grace, if fresh, becomes this request
 
     def end(self, conn: ClientConn) -> None:
         self.routed += 1
@@ -221,8 +196,7 @@ class Router:
         log.info("%s", reason)
         self.stop_accepting()
         self.notify(f"STOPPING=1\nSTATUS={reason}")
-        for conn in list(self._conns):
-            conn.abort()
+        self.listening.abort_all()
         self.site.close()
         self.flush()
         self.done.set()
@@ -242,13 +216,8 @@ class Router:
         self.stop_accepting()
         if self._idle_timer is not None:
             self._idle_timer.cancel()
-        if self._conns:
-            self._all_closed = asyncio.Event()
-            for conn in list(self._conns):
-                conn.abort()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(5):
-                    await self._all_closed.wait()
+        self.listening.abort_all()
+        await self.listening.wait_closed(5.0)
         self.site.close()
         self.flush()
         self.done.set()
