@@ -46,6 +46,7 @@ class Exchange(Protocol):
     def client_lost(self, exc: Exception | None) -> None: ...
     def pause_upstream(self, on: bool) -> None: ...
     def cancel(self) -> None: ...
+    def tick(self) -> None: ...
 
 
 class Site(Protocol):
@@ -74,6 +75,29 @@ PAUSE_WAIT = 4  # the exchange does not want bytes now
 class ClientConn(asyncio.BufferedProtocol):
     """One client connection. `site` makes the exchanges (`site.exchange(conn, req)`);
     `on_closed` runs once when the connection is gone."""
+
+    __slots__ = (
+        "_timer",
+        "ahead",
+        "buf",
+        "closed",
+        "closing",
+        "due",
+        "due_kind",
+        "end",
+        "eof",
+        "ex",
+        "head_due",
+        "loop",
+        "on_closed",
+        "paused",
+        "site",
+        "start",
+        "style",
+        "transport",
+        "tunnel",
+        "write_paused",
+    )
 
     def __init__(
         self, site: Site, style: Style, on_closed: Callable[[], None] | None = None
@@ -302,7 +326,10 @@ class ClientConn(asyncio.BufferedProtocol):
             self._timer = self.loop.call_at(due, self._fire)
             return
         kind, self.due = self.due_kind, None
-        if kind == "linger":
+        if kind == "request":
+            if self.ex is not None:
+                self.ex.tick()
+        elif kind == "linger":
             self.close()
         elif kind == "head" and self.end > self.start:
             limit = sockio.HEADER_TIMEOUT_S

@@ -94,6 +94,37 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
 
 
 class Exchange:
+    __slots__ = (
+        "attempt",
+        "body_last",
+        "body_left",
+        "bulk_body",
+        "collects",
+        "conn",
+        "consumed",
+        "continued",
+        "data",
+        "head_len",
+        "interim",
+        "keep_data",
+        "label",
+        "last",
+        "lease",
+        "loop",
+        "over",
+        "req",
+        "resp",
+        "reused",
+        "scanner",
+        "site",
+        "slot",
+        "started",
+        "target",
+        "task",
+        "up",
+        "up_shut",
+    )
+
     def __init__(self, conn: ClientConn, site: Site, req: RequestHead, head_end: int) -> None:
         self.conn = conn
         self.site = site
@@ -111,7 +142,6 @@ class Exchange:
         self.up_shut = False  # the client's half-close went on to the upstream
         self.over = False
         self.resp: ResponseHead | None = None
-        self.timer: asyncio.TimerHandle | None = None
         self.last = 0.0  # loop time of the last byte either way
         self.body_last = 0.0  # loop time of the last body byte from the client
         self.scanner: ChunkedScanner | None = None
@@ -417,11 +447,12 @@ class Exchange:
 
     # -- timers: request_timeout_s (inactivity), sockio.BODY_TIMEOUT_S
 
+    # The connection's one timer carries these (ClientConn.deadline): moved lazily, it is
+    # re-armed about once per time limit, not once per request or per byte.
+
     def arm(self) -> None:
         self.body_last = self.last = self.loop.time()
-        due = self.due()
-        if due is not None:
-            self.timer = self.loop.call_at(due, self.tick)
+        self.conn.deadline(self.due(), "request")
 
     def due(self) -> float | None:
         limit = self.site.request_timeout_s
@@ -432,12 +463,11 @@ class Exchange:
         return due
 
     def disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        if self.conn.due_kind == "request":
+            self.conn.deadline(None, "")
 
     def tick(self) -> None:
-        self.timer = None
+        """The connection's timer fired for this request: a time limit passed, or it moves."""
         if self.over:
             return
         now = self.loop.time()
@@ -461,9 +491,7 @@ class Exchange:
             else:
                 self.answer(Answer(504, what))
             return
-        due = self.due()
-        if due is not None:
-            self.timer = self.loop.call_at(due, self.tick)
+        self.conn.deadline(self.due(), "request")
 
     # -- the end
 

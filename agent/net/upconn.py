@@ -47,6 +47,25 @@ class UpstreamGone(Exception):
 
 
 class UpstreamConn(asyncio.BufferedProtocol):
+    __slots__ = (
+        "body",
+        "buf",
+        "bulk",
+        "clean",
+        "dead",
+        "e",
+        "eof",
+        "ex",
+        "generation",
+        "left",
+        "method",
+        "peer",
+        "phase",
+        "s",
+        "scanner",
+        "transport",
+    )
+
     def __init__(self, generation: int, peer: str) -> None:
         self.generation = generation
         self.peer = peer  # "worker", "provider": for messages
