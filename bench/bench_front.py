@@ -81,13 +81,15 @@ def direct(worker: Path) -> float:
 
 
 class Served:
-    def __init__(self, tmp: Path, worker: Path, port: int, delay: float) -> None:
+    def __init__(
+        self, tmp: Path, worker: Path, port: int, delay: float, max_held: int = 2000
+    ) -> None:
         self.mdir = tmp / f"m{port}"
         self.mdir.mkdir(mode=0o755)
         (self.mdir / "bench.toml").write_text(
             f"""[listen]
 address = "127.0.0.1:{port}"
-max_held = 2000
+max_held = {max_held}
 [runtime]
 command = ["{{python}}", "{worker}", "{{port}}", "{delay}"]
 ready = "tcp"
@@ -148,7 +150,7 @@ def cold(served: Served, port: int) -> float:
 
 def held_memory(tmp: Path, worker: Path, n: int) -> tuple[int, int]:
     port = free_port()
-    served = Served(tmp, worker, port, 3.0)
+    served = Served(tmp, worker, port, 3.0, max_held=n + 100)  # every one held, none refused
     try:
         time.sleep(0.5)
         idle = served.rss()
@@ -175,7 +177,8 @@ def main() -> int:
     parser.add_argument("--held", type=int, default=1000)
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    want = max(8192, 2 * args.held + 1024)  # both ends of every held connection, and room
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, want)), hard))
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

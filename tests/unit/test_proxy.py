@@ -1479,3 +1479,101 @@ def test_a_worker_connection_whose_request_said_close_is_not_kept_for_another_cl
             await px.settle()
 
     run(test)
+
+
+# -- the request gate, the answers' one shape, the task-free keep-alive path -------------
+
+
+def test_the_request_gate_answers_before_anything_is_leased_or_connected() -> None:
+    """The gate (the place for API-key checks) sees every parsed head first: a refusal is
+    answered with its own status and code, takes no lease and reaches no worker."""
+    from agent.net.answers import Answer
+    from agent.net.http import RequestHead
+
+    seen: list[str] = []
+
+    def gate(req: RequestHead) -> Answer | None:
+        seen.append(req.target)
+        if dict((k.lower(), v) for k, v in req.headers).get("authorization") != "Bearer k":
+            return Answer(401, "a valid API key is required", "invalid_api_key")
+        return None
+
+    async def test() -> None:
+        async with Setup(echo_worker) as (worker, backend, px):
+            backend.request_gate = gate  # type: ignore[attr-defined]
+            client = await px.connect()
+            await client.send(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\nhi")
+            status, headers, body = await client.response()
+            assert status == 401 and headers["content-type"] == "application/json"
+            assert json.loads(body) == {
+                "error": "invalid_api_key",
+                "message": "a valid API key is required",
+                "provider": "demo",
+                "retry_after_s": None,
+            }
+            assert backend.leases == [] and worker.connections == 0
+            # Its body was read: the connection goes on, and a good key passes.
+            await client.send(b"GET /y HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer k\r\n\r\n")
+            assert (await client.response())[2] == b"GET /y "
+            assert seen == ["/x", "/y"] and backend.paths == ["/y"]
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_answers_made_up_here_carry_a_stable_code_and_a_sentence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sockio, "HEADER_TIMEOUT_S", 0.2)
+
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, _backend, px):
+            client = await px.connect()
+            await client.send(b"GET / HTTP/1.1\r\nHost: t\r\nContent-Length: 5, 5\r\n\r\n")
+            status, _, body = await client.response()
+            assert status == 400
+            assert json.loads(body)["error"] == "bad_request"
+            assert "Content-Length" in json.loads(body)["message"]
+            client.close()
+            client = await px.connect()
+            await client.send(b"GET / HTTP/1.1\r\nHo")
+            status, _, body = await client.response()
+            assert (status, json.loads(body)["error"]) == (408, "request_timeout")
+            assert json.loads(body)["message"] == "request head not complete within 0.2 s"
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_keep_alive_requests_to_a_ready_worker_make_no_task() -> None:
+    """With the worker ready (`ready_now`) and its connection kept, a request runs in the
+    callbacks that bring its bytes: the loop is asked for no task."""
+
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+            backend.ready_now = lambda: (backend.address, backend.generation)  # type: ignore[attr-defined]
+            client = await px.connect()
+            await client.send(b"GET /warm HTTP/1.1\r\nHost: t\r\n\r\n")
+            await client.response()  # the worker connection is made (a task) and kept
+            loop = asyncio.get_running_loop()
+            made: list[object] = []
+            create = loop.create_task
+
+            def counting(coro: Any, **kw: Any) -> asyncio.Task[Any]:
+                made.append(coro)
+                return create(coro, **kw)
+
+            loop.create_task = counting  # type: ignore[method-assign]
+            try:
+                for i in range(20):
+                    await client.send(b"GET /%d HTTP/1.1\r\nHost: t\r\n\r\n" % i)
+                    assert (await client.response())[2] == b"GET /%d " % i
+            finally:
+                loop.create_task = create  # type: ignore[method-assign]
+            assert made == []
+            client.close()
+            await px.settle()
+
+    run(test)

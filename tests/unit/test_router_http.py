@@ -715,3 +715,29 @@ def test_refusals_are_logged_rate_limited(
         assert c.response()[0] == 404
     refused = [r for r in caplog.records if r.getMessage().startswith("Refused")]
     assert len(refused) == ratelog.BURST
+
+
+def test_the_request_gate_runs_before_the_body_is_routed(
+    two: RunningRouter, alpha: FakeProvider
+) -> None:
+    """The router's gate (the place for API-key checks) refuses in OpenAI's shape before any
+    provider sees the request; without a refusal the request goes on as usual."""
+    from agent.net.answers import Answer
+    from agent.net.http import RequestHead
+
+    def gate(req: RequestHead) -> Answer | None:
+        keys = dict((k.lower(), v) for k, v in req.headers)
+        if keys.get("x-api-key") != "k":
+            return Answer(401, "a valid API key is required", "invalid_api_key")
+        return None
+
+    assert two.router is not None
+    two.router.site.request_gate = gate
+    c = Client(two.port)
+    c.send(post("a-1"))
+    status, _, body = c.response()
+    assert (status, error(body)["code"]) == (401, "invalid_api_key")
+    assert error(body)["message"] == "a valid API key is required"
+    c.send(post("a-1", extra=b"x-api-key: k\r\n"))
+    assert c.response()[0] == 200
+    assert len(alpha.requests) == 1
