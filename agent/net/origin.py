@@ -14,14 +14,19 @@ only when:
   answers.
 
 `check()` returns what to refuse with, as (status, message, code): 403 or 415. Pure but
-for reading the host's name once.
+for the host's names: its name (`gethostname()`, no DNS) at once, and its DNS name
+(`getfqdn()`, which can stall on a resolver) only later, in a thread
+(`learn_dns_name()`, bounded by DNS_WAIT_S); until then a Host of that name is refused.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
 import json
 import socket
+import threading
 from collections.abc import Iterable
 
 from agent.net.http import RequestHead
@@ -51,15 +56,45 @@ def _is_ip(host: str) -> bool:
     return True
 
 
+DNS_WAIT_S = 2.0  # at most this long for the host's DNS name, off the event loop
+
+
 class OriginCheck:
     def __init__(self, addresses: Iterable[Address], names: Iterable[str] | None = None) -> None:
         if names is None:
-            names = {socket.gethostname(), socket.getfqdn()}
+            names = {socket.gethostname()}
         self.names = {n.lower().rstrip(".") for n in names if n}
         self.names.update(
             a.host.lower() for a in addresses if a.host is not None and not _is_ip(a.host)
         )
         self.names.add("localhost")
+
+    async def learn_dns_name(self) -> None:
+        """Add the host's DNS name (`socket.getfqdn()`), looked up in a thread; a resolver that
+        does not answer within DNS_WAIT_S leaves it out."""
+        loop = asyncio.get_running_loop()
+        found: asyncio.Future[str] = loop.create_future()
+
+        def look() -> None:  # a daemon thread: a stalled resolver never holds up an exit
+            try:
+                name = socket.getfqdn()
+            except OSError:
+                name = ""
+            with contextlib.suppress(RuntimeError):  # the loop is gone
+                loop.call_soon_threadsafe(settle, name)
+
+        def settle(name: str) -> None:
+            if not found.done():
+                found.set_result(name)
+
+        threading.Thread(target=look, name="getfqdn", daemon=True).start()
+        try:
+            async with asyncio.timeout(DNS_WAIT_S):
+                name = await found
+        except TimeoutError:
+            return
+        if name:
+            self.names.add(name.lower().rstrip("."))
 
     def local(self, host: str) -> bool:
         """A Host or Origin host a web page cannot have chosen for us."""

@@ -119,6 +119,7 @@ class Router:
         )
         self._idle_timer: asyncio.TimerHandle | None = None
         self._quiet: asyncio.Event | None = None  # set when no request is in flight (stop)
+        self._dns: asyncio.Task[None] | None = None
         self.counters = counters.load_router()  # where the last router left off
         self._flush_timer: asyncio.TimerHandle | None = None
 
@@ -146,6 +147,8 @@ class Router:
         """Accept from now on (and exit once idle, under systemd)."""
         self.listening.start()
         self._arm_idle()
+        if self._dns is None:  # the host's DNS name, for the Host check: looked up aside
+            self._dns = asyncio.get_running_loop().create_task(self.origin.learn_dns_name())
 
     def stop_accepting(self) -> None:
         self.listening.stop()
@@ -195,6 +198,8 @@ class Router:
             return
         log.info("%s", reason)
         self.stop_accepting()
+        if self._dns is not None:
+            self._dns.cancel()
         self.notify(f"STOPPING=1\nSTATUS={reason}")
         self.listening.abort_all()
         self.site.close()
@@ -214,6 +219,8 @@ class Router:
     async def close(self) -> None:
         """Foreground: stop accepting, end every connection, wait for them."""
         self.stop_accepting()
+        if self._dns is not None:
+            self._dns.cancel()
         if self._idle_timer is not None:
             self._idle_timer.cancel()
         self.listening.abort_all()

@@ -220,3 +220,36 @@ def test_dechunk_drops_framing_extensions_and_trailers() -> None:
     framed = b"HEAD" + raw + b"NEXT"
     assert dechunk(framed, 4, 4 + len(raw)) == b'{"model": "m"}  x'
     assert dechunk(b"0\r\n\r\n", 0, 5) == b""
+
+
+def test_the_hosts_dns_name_is_learned_aside_and_a_stalled_resolver_stalls_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: the router called socket.getfqdn() as it started: a resolver that did not
+    answer stalled the start. Now the name is looked up in a thread, bounded."""
+    import asyncio
+    import threading
+    import time
+
+    from agent.net import origin
+
+    release = threading.Event()
+
+    def stalled() -> str:
+        release.wait(10)
+        return "slow.example"
+
+    monkeypatch.setattr(origin.socket, "getfqdn", stalled)
+    monkeypatch.setattr(origin, "DNS_WAIT_S", 0.2)
+    t = time.monotonic()
+    check = origin.OriginCheck([], names=None)
+    assert time.monotonic() - t < 0.1
+    asyncio.run(check.learn_dns_name())
+    release.set()
+    assert time.monotonic() - t < 2 and not check.local("slow.example")
+
+    monkeypatch.setattr(origin.socket, "getfqdn", lambda: "Box.Lab.Example.")
+    check = origin.OriginCheck([], names=None)
+    assert not check.local("box.lab.example")
+    asyncio.run(check.learn_dns_name())
+    assert check.local("box.lab.example")
