@@ -9,12 +9,12 @@ command line or a path.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Mapping
-from importlib import import_module
-from typing import Any
 
+from agent.spec.patterns import Pattern, PatternError, compile_pattern, nested_repetition
 from agent.spec.provider import Address, Provider
+
+__all__ = ["nested_repetition"]
 
 MODELS_PATH = "/v1/models"
 NAME_SHOWN_MAX = 120  # characters of a requested name shown in logs and messages
@@ -63,19 +63,24 @@ class Table:
     def __init__(self, providers: Iterable[Provider], created: Mapping[str, int] | None = None):
         self.providers = sorted(providers, key=lambda p: p.slug)
         self.names: dict[str, Provider] = {}
-        self.patterns: list[tuple[re.Pattern[str], Provider]] = []
+        self.patterns: list[tuple[Pattern, Provider]] = []
         self.skipped: list[str] = []  # patterns left out, with why
         for p in self.providers:
             for name in p.model_names:
                 self.names.setdefault(name, p)  # collisions were refused by the manifest checks
             for pattern in p.model_patterns:
-                if nested_repetition(pattern):
+                try:
+                    compiled = compile_pattern(pattern)  # matched in time linear in the name
+                except PatternError as e:  # the manifest checks refuse these: not here
+                    self.skipped.append(f'provider "{p.slug}": pattern {quoted(pattern)} {e}')
+                    continue
+                if nested_repetition(compiled):
                     self.skipped.append(
                         f'provider "{p.slug}": pattern {quoted(pattern)} repeats a repetition '
                         "(like (a+)+), which can take exponential time on a crafted name"
                     )
                     continue
-                self.patterns.append((re.compile(pattern), p))
+                self.patterns.append((compiled, p))
         self.created = dict(created or {})
         self._cache: dict[str, tuple[Provider, ...]] = {}
 
@@ -130,38 +135,6 @@ class Table:
     def listing(self) -> dict[str, object]:
         """`GET /v1/models`: every exact name, in OpenAI's list format."""
         return {"object": "list", "data": [self.entry(n, p) for n, p in self.names.items()]}
-
-
-# The regular expression parser's own tree (untyped, private, stable since 3.11).
-re_parser: Any = import_module("re._parser")
-re_constants: Any = import_module("re._constants")
-
-
-def nested_repetition(pattern: str) -> bool:
-    """A repetition inside a repetition (`(a+)+`, `(x*y?)*`): the shape whose backtracking
-    grows exponentially with the subject's length."""
-    try:
-        tree = re_parser.parse(pattern)
-    except re.error:
-        return False
-
-    def walk(items: Iterable[tuple[Any, Any]], inside: bool) -> bool:
-        for op, arg in items:
-            if op in (re_constants.MAX_REPEAT, re_constants.MIN_REPEAT):
-                low, high, sub = arg
-                varies = high is re_constants.MAXREPEAT or high != low
-                if varies and inside:
-                    return True
-                unbounded = high is re_constants.MAXREPEAT or high > 1
-                if walk(sub, inside or unbounded):
-                    return True
-            elif (op == re_constants.SUBPATTERN and walk(arg[-1], inside)) or (
-                op == re_constants.BRANCH and any(walk(b, inside) for b in arg[1])
-            ):
-                return True
-        return False
-
-    return walk(tree, False)
 
 
 def dechunk(buf: bytes | bytearray, start: int, end: int) -> bytes:

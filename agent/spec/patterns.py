@@ -347,3 +347,32 @@ def compile_pattern(text: str) -> Pattern:
         raise PatternError("nests groups too deeply") from None
     prefix, literal = _literal_runs(parsed)
     return Pattern(text, parsed, prefix, literal)
+
+
+def nested_repetition(pattern: Pattern | str) -> bool:
+    """A repetition inside a repetition (`(a+)+`, `(x*y?)*`): the shape whose backtracking
+    grows exponentially with the subject's length in a backtracking matcher (`re`); the
+    router leaves such patterns out, as docs/router.md says."""
+    if isinstance(pattern, str):
+        try:
+            pattern = compile_pattern(pattern)
+        except PatternError:
+            return False
+    repeats = (_parser.MAX_REPEAT, _parser.MIN_REPEAT)
+
+    def walk(items: Any, inside: bool) -> bool:
+        for op, arg in items:
+            if op in repeats:
+                low, high, sub = arg
+                varies = high is _MAXREPEAT or high != low
+                if varies and inside:
+                    return True
+                if walk(sub, inside or high is _MAXREPEAT or high > 1):
+                    return True
+            elif (op == _parser.SUBPATTERN and walk(arg[-1], inside)) or (
+                op == _parser.BRANCH and any(walk(b, inside) for b in arg[1])
+            ):
+                return True
+        return False
+
+    return walk(pattern.parsed, False)
