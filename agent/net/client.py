@@ -154,12 +154,17 @@ class ClientConn(asyncio.BufferedProtocol):
         if self.closing:
             return
         self.end += nbytes
-        if self.tunnel is not None:
-            self.to_tunnel()
-        elif self.ex is not None:
-            self.to_exchange()
-        else:
-            self.next_request()
+        try:
+            if self.tunnel is not None:
+                self.to_tunnel()
+            elif self.ex is not None:
+                self.to_exchange()
+            else:
+                self.next_request()
+        except Exception as e:  # a bug must cost this connection, never the process's log
+            log.warning("Failed to serve a connection: %s, closing it", e)
+            log.debug("Failed to serve a connection", exc_info=e)
+            self.abort()
 
     def eof_received(self) -> bool:
         self.eof = True

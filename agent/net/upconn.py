@@ -151,6 +151,11 @@ class UpstreamConn(asyncio.BufferedProtocol):
             if self.ex is ex:
                 ex.upstream_failed(err)
             return
+        except Exception as e:  # a bug must cost this exchange, never the process's log
+            self.drop_buffer()
+            self.close()
+            ex.upstream_failed(HttpError(502, f"failed to relay the response: {e}"))
+            return
         if self.s == self.e:
             self.drop_buffer()
             if full and self.phase in (BODY, TUNNEL):
