@@ -7,9 +7,8 @@ runs) → the request as received, then its body as it arrives → the response 
 The usual request does all of that in the callbacks that bring its bytes, with no task:
 one is made only when something must be waited for (a start, a slot, a connect).
 
-`request_timeout_s` is an inactivity limit: to the first byte of the response and between
-any two bytes either way (504 before the response began, a cut after). A body that sends
-nothing for sockio.BODY_TIMEOUT_S gets 408.
+Its time limits and the tunnel after a `101` are agent.net.streaming's; what a listener
+adds is its `Site` (agent.net.contract).
 """
 
 from __future__ import annotations
@@ -17,64 +16,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine, Mapping
-from typing import Any, Protocol
+from typing import Any
 
-from agent.net import sockio
-from agent.net.answers import Answer, answers, made_up
+from agent.net.answers import Answer, made_up
 from agent.net.client import ClientConn
+from agent.net.contract import Lease, Site, Target
 from agent.net.http import ChunkedScanner, HttpError, RequestHead, ResponseHead, error_response
 from agent.net.sockio import BUFFER_SIZE, error_text
+from agent.net.streaming import Streaming
 from agent.net.upconn import UpstreamConn, UpstreamGone
-from agent.spec.provider import Address
-
-Target = tuple[Address, int]  # where, and the upstream's generation (kept connections match it)
-
-
-class Lease(Protocol):
-    def release(self) -> None:
-        """End this unit of in-flight work. Idempotent."""
-
-
-class Site(Protocol):
-    """What a listener adds to the core (agent.net.site.FrontSite, the router's RouterSite).
-
-    Each method answers one question about request `ex`; those that refuse raise (and
-    `refusal` turns what they raised into an answer) or return an `Answer`."""
-
-    @property
-    def peer(self) -> str:
-        """ "worker", "provider": the upstream, in messages."""
-
-    @property
-    def collects(self) -> bool:
-        """The whole body is read before the target is asked for."""
-
-    @property
-    def max_body(self) -> int:
-        """With `collects`: 413 beyond it."""
-
-    @property
-    def request_timeout_s(self) -> float:
-        """An inactivity limit; <= 0: none."""
-
-    def gate(self, req: RequestHead) -> Answer | None: ...
-    def lease(self, ex: Exchange) -> Lease: ...
-    def refusal(self, e: Exception) -> Answer | None: ...
-    def collecting(self, ex: Exchange) -> None: ...
-    def too_large(self) -> Answer: ...
-    def target_now(self, ex: Exchange) -> Target | None: ...
-    async def target(self, ex: Exchange) -> Target: ...
-    def kept(self, ex: Exchange, target: Target) -> UpstreamConn | None: ...
-    async def connect(self, ex: Exchange, target: Target) -> UpstreamConn: ...
-    def unreachable(self, ex: Exchange, target: Target, why: str) -> Answer: ...
-    async def upstream_gone(self, ex: Exchange, why: str) -> Answer: ...
-    def broken(self, ex: Exchange, err: HttpError) -> Answer: ...
-    def pass_interim(self, ex: Exchange, resp: ResponseHead) -> bool: ...
-    def final_head(self, ex: Exchange, resp: ResponseHead) -> None: ...
-    def answered(self, ex: Exchange, status: int) -> None: ...
-    def release_slot(self, ex: Exchange, up: UpstreamConn | None) -> None: ...
-    def shown(self, target: str) -> str: ...
-
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +43,7 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
-class Exchange:
+class Exchange(Streaming):
     __slots__ = (
         "attempt",
         "body_last",
@@ -337,41 +287,6 @@ class Exchange:
         )
         self.end(keep_client=keep, keep_up=keep_up)
 
-    def on_tunnel(self, up: UpstreamConn) -> None:
-        """After a 101 (or a 2xx to CONNECT): bytes both ways, the lease kept until both close."""
-        self.disarm()
-        conn = self.conn
-        assert up.transport is not None
-        ahead = conn.ahead + conn.take_pending()
-        conn.ahead = b""
-        if ahead:
-            up.write(ahead)
-        conn.tunnel = up.transport
-        self.site.release_slot(self, None)  # a tunnel's connection is its own: out of the slots
-        conn.pause(7, False)
-        if conn.eof:
-            self.tunnel_half()
-
-    def tunnel_eof(self, up: UpstreamConn) -> None:
-        transport = self.conn.transport
-        if transport is not None and not self.conn.closed and transport.can_write_eof():
-            transport.write_eof()
-        if self.conn.eof:
-            self.tunnel_lost()
-
-    def tunnel_half(self) -> None:
-        if self.up is not None:
-            if self.up.eof:
-                self.tunnel_lost()
-            elif self.up.transport is not None and self.up.transport.can_write_eof():
-                self.up.transport.write_eof()
-
-    def tunnel_lost(self) -> None:
-        up, self.up = self.up, None
-        if up is not None:
-            up.close()
-        self.end(keep_client=False)
-
     # -- what goes wrong
 
     def upstream_failed(self, err: HttpError) -> None:
@@ -445,54 +360,6 @@ class Exchange:
     def pause_client(self, on: bool) -> None:
         self.conn.pause(2, on)
 
-    # -- timers: request_timeout_s (inactivity), sockio.BODY_TIMEOUT_S
-
-    # The connection's one timer carries these (ClientConn.deadline): moved lazily, it is
-    # re-armed about once per time limit, not once per request or per byte.
-
-    def arm(self) -> None:
-        self.body_last = self.last = self.loop.time()
-        self.conn.deadline(self.due(), "request")
-
-    def due(self) -> float | None:
-        limit = self.site.request_timeout_s
-        due = self.last + limit if limit > 0 else None
-        if not self.consumed:
-            body_due = self.body_last + sockio.BODY_TIMEOUT_S
-            due = body_due if due is None else min(due, body_due)
-        return due
-
-    def disarm(self) -> None:
-        if self.conn.due_kind == "request":
-            self.conn.deadline(None, "")
-
-    def tick(self) -> None:
-        """The connection's timer fired for this request: a time limit passed, or it moves."""
-        if self.over:
-            return
-        now = self.loop.time()
-        if not self.consumed and now >= self.body_last + sockio.BODY_TIMEOUT_S:
-            self.drop_up()
-            if self.started:
-                self.end(keep_client=False, cut=True)
-            else:
-                self.answer(
-                    Answer(408, f"no byte of the request body for {sockio.BODY_TIMEOUT_S:g} s"),
-                    close=True,
-                )
-            return
-        limit = self.site.request_timeout_s
-        if limit > 0 and now >= self.last + limit:
-            self.drop_up()
-            what = f"no response from the {self.site.peer} for {limit:g} s (request_timeout_s)"
-            if self.started:
-                answers.log("cut", "Cut a response: %s", what)
-                self.end(keep_client=False, cut=True)
-            else:
-                self.answer(Answer(504, what))
-            return
-        self.conn.deadline(self.due(), "request")
-
     # -- the end
 
     def answer(self, a: Answer, close: bool = False) -> None:
@@ -505,7 +372,7 @@ class Exchange:
         self.site.answered(self, a.status)
         what = f"{req.method} {self.site.shown(req.target)}"
         self.conn.write(self.conn_answer(a, close=close, head_only=req.method == "HEAD", what=what))
-        self.end(keep_client=not close, answered_close=close)
+        self.end(keep_client=not close)
 
     def reply(self, status: int, doc: Mapping[str, object]) -> None:
         """Answer with a document of the site's own (the router's model list)."""
@@ -525,6 +392,9 @@ class Exchange:
     def conn_answer(self, a: Answer, *, close: bool, head_only: bool, what: str) -> bytes:
         return made_up(self.conn.style, a, close=close, head_only=head_only, what=what)
 
+    def leave_slot(self) -> None:
+        self.site.release_slot(self, None)
+
     def drop_up(self) -> None:
         up, self.up = self.up, None
         if up is not None:
@@ -536,7 +406,6 @@ class Exchange:
         keep_client: bool,
         keep_up: bool = False,
         cut: bool = False,
-        answered_close: bool = False,
     ) -> None:
         if self.over:
             return

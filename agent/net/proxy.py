@@ -17,7 +17,7 @@ from typing import cast
 
 from agent.net.answers import Style
 from agent.net.client import ClientConn, Site
-from agent.net.exchange import Lease
+from agent.net.contract import Lease
 from agent.net.site import Backend, FrontSite, Unavailable, too_many_waiting
 from agent.net.sockio import nodelay
 from agent.net.tcp import TcpRelay

@@ -16,9 +16,10 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from agent.errors import ProviderdError
+from agent.net import exchange
 from agent.net.answers import Answer
 from agent.net.client import ClientConn
-from agent.net.exchange import Exchange, Lease, Target
+from agent.net.contract import Exchange, Lease, Target
 from agent.net.http import HttpError, RequestHead, ResponseHead
 from agent.net.upconn import UpstreamConn
 from agent.net.upstream import QueueFull, Upstream, connect_retrying
@@ -120,7 +121,7 @@ class FrontSite:
 
     def exchange(self, conn: ClientConn, req: RequestHead, head_end: int) -> None:
         try:
-            ex = Exchange(conn, self, req, head_end)
+            ex = exchange.Exchange(conn, self, req, head_end)
         except HttpError as e:
             conn.answer(Answer(e.status, e.reason), close=True)
             return

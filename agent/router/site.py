@@ -16,9 +16,10 @@ from collections.abc import Callable
 from typing import Protocol
 from urllib.parse import unquote
 
+from agent.net import exchange
 from agent.net.answers import Answer, Style
 from agent.net.client import ClientConn
-from agent.net.exchange import Exchange, Target
+from agent.net.contract import Exchange, Target
 from agent.net.http import HttpError, RequestHead, ResponseHead
 from agent.net.origin import OriginCheck
 from agent.net.site import Gate, shown
@@ -92,7 +93,7 @@ class RouterSite:
 
     def exchange(self, conn: ClientConn, req: RequestHead, head_end: int) -> None:
         try:
-            ex = Exchange(conn, self, req, head_end)
+            ex = exchange.Exchange(conn, self, req, head_end)
         except HttpError as e:
             conn.answer(Answer(e.status, e.reason, "invalid_request"), close=True)
             return
