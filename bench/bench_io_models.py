@@ -2,14 +2,17 @@
 """What the asyncio I/O model costs the data path, before any HTTP logic.
 
 Two bare relays that parse nothing, next to systemd-socket-proxyd and agent.net.proxy:
-  coroutines: what agent.net.proxy does per request (wait for readability, recv_into,
-              sock_sendall, on both sockets), with no HTTP parsing or leases;
-  protocols:  asyncio Protocols and transports (callbacks, sockets stay registered).
+  coroutines: a relay on coroutines that wait on sockets (wait for readability,
+              recv_into, sock_sendall, on both sockets), with no HTTP parsing or leases;
+  protocols:  asyncio Protocols and transports (callbacks, sockets stay registered),
+              the model the connection core (agent.net) is built on.
 Each runs in its own process, with its listening socket as fd 3 like the others, in
 front of the same raw-socket backend. Prints, per path, the p50 of a small keep-alive
 request and the proxy process's CPU time per request. The difference between the two
-bare relays is what the I/O model costs; agent.net.proxy minus the coroutine relay is what
-its HTTP handling costs.
+bare relays is what the I/O model costs; agent.net.proxy minus the protocol relay is what
+its HTTP handling costs. A last line gives that HTTP handling alone: the core's Python
+per request, its callbacks driven in this process on transports that do no I/O (no
+system calls, no event loop turns).
 
     python3 bench/bench_io_models.py [--quick]
 
@@ -28,7 +31,7 @@ import time
 from pathlib import Path
 
 from bench_proxy import PROXYD, cpu_s, keep_alive_us, spawn_activated, wait_until_listening
-from common import listener
+from common import ROOT, listener
 
 BENCH = Path(__file__).resolve()
 
@@ -167,11 +170,95 @@ def run(quick: bool) -> str:
         lines.append(
             f"{name:14}{statistics.median(p50[name]):>10.0f}{statistics.median(cpu[name]):>18.0f}"
         )
+    python = statistics.median(core_python_us(n) for _ in range(rounds))
     lines += [
+        "",
+        f"agent.net, its Python alone (no I/O): {python:.0f} µs per request",
         "",
         "coroutines and protocols relay bytes and parse nothing; agent.net.proxy is the real path.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def core_python_us(n: int) -> float:
+    """CPU µs per keep-alive request of the core's own Python (ClientConn → Exchange →
+    UpstreamConn), driven directly on transports that only count what they are given."""
+    sys.path.insert(0, str(ROOT))
+    from agent.net.answers import Style
+    from agent.net.client import ClientConn
+    from agent.net.site import FrontSite
+    from agent.net.upconn import UpstreamConn
+    from agent.net.upstream import Upstream
+    from agent.spec.provider import Address
+
+    class Counting(asyncio.Transport):
+        def __init__(self) -> None:
+            super().__init__()
+            self.writes = 0
+
+        def write(self, data: bytes | bytearray | memoryview) -> None:
+            self.writes += 1
+
+        def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+            pass
+
+        def can_write_eof(self) -> bool:
+            return True
+
+    class NoLease:
+        def release(self) -> None:
+            pass
+
+    class Ready:
+        slug = "bench"
+        request_timeout_s = 300.0
+        address = Address("127.0.0.1", 1)
+        upstream = Upstream(4096, 100_000)
+
+        def lease(self, path: str | None) -> NoLease:
+            return NoLease()
+
+        def alive(self, generation: int) -> bool:
+            return True
+
+        def waiting_for_start(self) -> int:
+            return 0
+
+        def ready_now(self) -> tuple[Address, int]:
+            return self.address, 1
+
+        async def ready(self) -> tuple[Address, int]:
+            return self.address, 1
+
+    request = b"GET /small HTTP/1.1\r\nHost: bench\r\n\r\n"
+    response = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok"
+
+    async def measure() -> float:
+        backend = Ready()
+        conn = ClientConn(FrontSite(backend), Style("bench"))
+        client = Counting()
+        conn.connection_made(client)
+        up = UpstreamConn(1, "worker")
+        up.connection_made(Counting())
+        up.clean = True
+        backend.upstream.keep(up, 1)
+
+        def one() -> None:
+            conn.get_buffer(-1)[: len(request)] = request
+            conn.buffer_updated(len(request))
+            up.get_buffer(-1)[: len(response)] = response
+            up.buffer_updated(len(response))
+
+        for _ in range(1000):
+            one()
+        t = time.process_time()
+        for _ in range(n):
+            one()
+        took = time.process_time() - t
+        assert client.writes == n + 1000, "a request went unanswered"
+        return took / n * 1e6
+
+    return asyncio.run(measure())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -234,7 +234,15 @@ class Exchange(Streaming):
         if self.scanner is not None:
             conn = self.conn
             assert conn.buf is not None
-            at = self.scanner.scan(conn.buf, conn.start, conn.end)
+            try:
+                at = self.scanner.scan(conn.buf, conn.start, conn.end)
+            except HttpError as e:  # a malformed chunk: 400, or a cut once answered
+                self.drop_up()
+                if self.started:
+                    self.end(keep_client=False, cut=True)
+                else:
+                    self.answer(Answer(e.status, e.reason), close=True)
+                return len(view)
             used = (at - conn.start) if at >= 0 else len(view)
             self.consumed = at >= 0
         else:
@@ -277,7 +285,11 @@ class Exchange(Streaming):
         resp, req = self.resp, self.req
         assert resp is not None
         self.site.answered(self, resp.status)
-        keep_up = reusable and resp.keep_alive and req.keep_alive and not self.up_shut
+        # Not kept with part of a body still to come (a worker answering early, 413 say): it
+        # would read the rest as the next request.
+        keep_up = (
+            reusable and resp.keep_alive and req.keep_alive and not self.up_shut and self.consumed
+        )
         keep = (
             req.keep_alive
             and resp.keep_alive

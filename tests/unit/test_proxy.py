@@ -1577,3 +1577,57 @@ def test_keep_alive_requests_to_a_ready_worker_make_no_task() -> None:
             await px.settle()
 
     run(test)
+
+
+def test_a_worker_that_answers_before_the_body_ends_keeps_no_half_read_connection() -> None:
+    """A worker may refuse a body before it has all of it (413): that connection holds the
+    rest of the body, which it would read as the next request; it is never kept."""
+
+    async def early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"POST"):
+            writer.write(b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+            await reader.read()
+            return
+        writer.write(ok(b"fresh"))
+        await writer.drain()
+
+    async def test() -> None:
+        async with Setup(early) as (worker, backend, px):
+            client = await px.connect()
+            await client.send(b"POST /u HTTP/1.1\r\nHost: t\r\nContent-Length: 100000\r\n\r\nab")
+            assert (await client.response())[0] == 413
+            assert await client.eof()
+            client.close()
+            second = await px.connect()
+            await second.send(b"GET /g HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert (await second.response())[2] == b"fresh"
+            assert worker.connections == 2  # a new one, not the half-read one
+            second.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
+
+
+def test_a_malformed_chunk_after_the_head_gets_400_and_releases_the_lease() -> None:
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+
+    async def test() -> None:
+        async with Setup(swallow) as (_, backend, px):
+            client = await px.connect()
+            await client.send(b"POST /c HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n")
+            async with asyncio.timeout(2):
+                while backend.active != 1:
+                    await asyncio.sleep(0.005)
+            await client.send(b"5 ;x\r\nhello\r\n0\r\n\r\n")  # a space in the size line
+            status, _, body = await client.response()
+            assert status == 400 and "chunk size" in json.loads(body)["message"]
+            assert await client.eof()
+            client.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
