@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
@@ -60,17 +59,29 @@ def test_kept_connections_are_reused_only_for_their_generation_and_while_fresh(
 ) -> None:
     now = [1000.0]
     monkeypatch.setattr(upstream.time, "monotonic", lambda: now[0])
-    a, b = socket.socketpair()
-    c, d = socket.socketpair()
-    try:
-        up = Upstream(limit=4, max_waiting=10)
-        up.keep(a, generation=1)
-        assert up.take_idle(generation=2) is None  # another worker: closed, not reused
-        assert a.fileno() == -1
-        up.keep(c, generation=1)
-        now[0] += upstream.KEEP_IDLE_S + 0.1
-        assert up.take_idle(generation=1) is None  # idle too long: the server may close it
-        assert c.fileno() == -1
-    finally:
-        for s in (a, b, c, d):
-            s.close()
+
+    class Kept:
+        def __init__(self) -> None:
+            self.good = True
+            self.closed = False
+
+        def usable(self) -> bool:
+            return self.good and not self.closed
+
+        def close(self) -> None:
+            self.closed = True
+
+    up = Upstream(limit=4, max_waiting=10)
+    a, b, c, d = Kept(), Kept(), Kept(), Kept()
+    up.keep(a, generation=1)
+    assert up.take_idle(generation=2) is None  # another worker: closed, not reused
+    assert a.closed
+    up.keep(b, generation=1)
+    now[0] += upstream.KEEP_IDLE_S + 0.1
+    assert up.take_idle(generation=1) is None  # idle too long: the server may close it
+    assert b.closed
+    up.keep(c, generation=1)
+    c.good = False  # the upstream closed it meanwhile (its EOF arrived)
+    assert up.take_idle(generation=1) is None and c.closed
+    up.keep(d, generation=1)
+    assert up.take_idle(generation=1) is d and not d.closed  # fresh, same worker: reused
