@@ -39,7 +39,9 @@ def test_memory_max_while_loading_oom_kills_and_held_requests_learn_why(
     assert oom["worker"]["MemoryMax"] == str(96 * MiB)
     for response in oom["responses"]:
         assert response["status"] == 503, response
-        error = str(json.loads(body(response)).get("error", ""))
+        doc = json.loads(body(response))
+        assert doc.get("error") == "start_failed", doc
+        error = str(doc.get("message", ""))
         assert re.search(r"oom|out of memory|memory", error, re.I), (
             f"the error does not name the cause: {error!r}"
         )
@@ -53,7 +55,9 @@ def test_memory_max_while_serving_oom_kills_and_the_port_stays(
     oom = vm["oom_serve"]
     assert oom["first"]["status"] == 200, oom["first"]
     assert oom["grow"]["status"] == 503, oom["grow"]
-    error = str(json.loads(body(oom["grow"])).get("error", ""))
+    doc = json.loads(body(oom["grow"]))
+    assert doc.get("error") == "worker_gone", doc
+    error = str(doc.get("message", ""))
     assert re.search(r"oom|memory", error, re.I), f"the error does not name the cause: {error!r}"
     assert oom["worker"]["Result"] == "oom-kill", oom["worker"]
     assert oom["listening"]
