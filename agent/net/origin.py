@@ -56,6 +56,7 @@ def _is_ip(host: str) -> bool:
     return True
 
 
+VERDICTS_MAX = 1024  # hosts whose verdict is remembered
 DNS_WAIT_S = 2.0  # at most this long for the host's DNS name, off the event loop
 
 
@@ -68,6 +69,7 @@ class OriginCheck:
             a.host.lower() for a in addresses if a.host is not None and not _is_ip(a.host)
         )
         self.names.add("localhost")
+        self._verdicts: dict[str, bool] = {}
 
     async def learn_dns_name(self) -> None:
         """Add the host's DNS name (`socket.getfqdn()`), looked up in a thread; a resolver that
@@ -95,13 +97,22 @@ class OriginCheck:
             return
         if name:
             self.names.add(name.lower().rstrip("."))
+            self._verdicts.clear()
 
     def local(self, host: str) -> bool:
-        """A Host or Origin host a web page cannot have chosen for us."""
-        host = host.rstrip(".")
-        if not host or len(host) > HOST_MAX:
-            return False
-        return _is_ip(host) or host in self.names or host.endswith(".localhost")
+        """A Host or Origin host a web page cannot have chosen for us (remembered: clients
+        send the same few hosts on every request)."""
+        verdict = self._verdicts.get(host)
+        if verdict is None:
+            name = host.rstrip(".")
+            verdict = bool(name) and len(name) <= HOST_MAX
+            verdict = verdict and (
+                _is_ip(name) or name in self.names or name.endswith(".localhost")
+            )
+            if len(self._verdicts) >= VERDICTS_MAX:
+                self._verdicts.clear()
+            self._verdicts[host] = verdict
+        return verdict
 
     def check(self, req: RequestHead) -> Refused | None:
         """Why to refuse what a web page could have sent (403, 415), or None."""
