@@ -171,11 +171,7 @@ class ClientConn(asyncio.BufferedProtocol):
         if self.closing:
             self.close()
             return False
-        if self.tunnel is not None:
-            if self.tunnel.can_write_eof():
-                self.tunnel.write_eof()
-            return True
-        if self.ex is not None:
+        if self.ex is not None:  # in a tunnel too: the exchange passes the EOF on, or ends
             self.ex.client_eof()
             return not self.closed
         if self.end > self.start:

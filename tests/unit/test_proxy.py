@@ -1631,3 +1631,35 @@ def test_a_malformed_chunk_after_the_head_gets_400_and_releases_the_lease() -> N
             assert backend.active == 0
 
     run(test)
+
+
+def test_a_tunnel_whose_worker_half_closes_first_ends_when_the_client_does() -> None:
+    """Both directions end on their own: the worker's EOF goes to the client, the client's
+    later EOF closes the tunnel and releases its lease, though the worker never closes."""
+    hold = asyncio.Event()
+
+    async def half_closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: Upgrade\r\n\r\n"
+        )
+        writer.write_eof()  # done sending, still reading
+        await writer.drain()
+        await hold.wait()
+
+    async def test() -> None:
+        async with Setup(half_closing) as (_, backend, px):
+            client = await px.connect()
+            await client.send(
+                b"GET /t HTTP/1.1\r\nHost: t\r\nUpgrade: x\r\nConnection: Upgrade\r\n\r\n"
+            )
+            assert (await client.read_until(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+            assert await client.read_to_eof() == b""  # the worker's EOF, passed on
+            assert backend.active == 1
+            client.sock.shutdown(socket.SHUT_WR)
+            await px.settle()
+            assert backend.active == 0
+            client.close()
+            hold.set()
+
+    run(test)
