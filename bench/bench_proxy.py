@@ -3,8 +3,9 @@
 
 One run on this machine, loopback only, about a minute. Three processes per path:
 this one (the client), a small raw-socket HTTP backend, and the proxy under test —
-`systemd-socket-proxyd` or `agent.net.proxy.serve_http` behind a plain accept loop with a
-backend that is always ready (a separate process, like proxyd). Both proxies get their
+`systemd-socket-proxyd` or the front's data path (agent.net's HttpListeners handing each
+connection to the core, as the front does) with a backend that is always ready (a separate
+process, like proxyd). Both proxies get their
 listening socket as fd 3 (LISTEN_FDS=1, LISTEN_PID).
 
 Prints, side by side: latency p50/p99 of small requests (keep-alive, and a new

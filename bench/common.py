@@ -1,5 +1,5 @@
 """What the data path benchmarks share: an epoll HTTP backend loop, a front that is always
-ready (`agent.net.proxy.serve_http` behind a plain accept loop), processes that get their
+ready (the front's data path: agent.net's HttpListeners and connection core), processes that get their
 listening socket as fd 3, and the client's reads and percentiles."""
 
 from __future__ import annotations
