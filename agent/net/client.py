@@ -301,7 +301,7 @@ class ClientConn(asyncio.BufferedProtocol):
             else:
                 self.buf[: len(data)] = data
             self.start, self.end = 0, len(data)
-        self.pause(PAUSE_AHEAD | PAUSE_WAIT, False)
+        self.pause(PAUSE_AHEAD | PAUSE_UPSTREAM | PAUSE_WAIT, False)  # each was the request's
         self.next_request()
 
     # -- time limits ---------------------------------------------------------------------

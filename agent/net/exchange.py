@@ -427,6 +427,8 @@ class Exchange(Streaming):
             self.task.cancel()
             self.task = None
         up, self.up = self.up, None
+        if up is not None and keep_up:
+            up.rest()
         self.site.release_slot(self, up if keep_up else None)
         if up is not None and not keep_up:
             up.close()

@@ -95,6 +95,13 @@ class UpstreamConn(asyncio.BufferedProtocol):
             self.transport.close()
         self.drop_buffer()
 
+    def rest(self) -> None:
+        """Between requests: no exchange, and reading on (a response that ended while the
+        client's side was full left it paused), so that an EOF or a stray byte is seen."""
+        self.ex = None
+        if self.transport is not None and not self.dead:
+            self.transport.resume_reading()
+
     def shut_write(self) -> None:
         """Pass a client's half-close on; this connection can no longer be kept."""
         self.clean = False

@@ -1663,3 +1663,52 @@ def test_a_tunnel_whose_worker_half_closes_first_ends_when_the_client_does() -> 
             hold.set()
 
     run(test)
+
+
+def test_a_worker_connection_kept_after_a_slow_reader_still_reads_the_next_response() -> None:
+    """A response that ends while the client's side is full pauses the worker connection;
+    kept for the next request, it must read again (else that request waits for its 504)."""
+    # Reads are 64 KiB, then 256 KiB (sockio): sizes whose last read is nearly a full one
+    # end the response with the client's side over its high-water mark.
+    head = len(b"HTTP/1.1 200 OK\r\nContent-Length: 4000000\r\n\r\n")
+    sizes = [(64 + 4 * 256 + last) * 1024 - head for last in range(256, 0, -32)]
+
+    async def sized(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        left = list(sizes)
+        while True:
+            head, _ = await read_request(reader)
+            if head.startswith(b"GET /n "):
+                writer.write(ok(b"next"))
+                continue
+            size = left.pop(0)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+            writer.write(b"z" * size)
+            await writer.drain()
+
+    async def test() -> None:
+        async with Setup(sized) as (worker, backend, px):
+            assert px.listener is not None
+            # Small socket buffers on both ends of the client's connection: what the client
+            # does not read stays in the proxy's own write buffer.
+            px.listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a slow, small reader
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, px.listener.getsockname())
+            client = Client(sock)
+            for size in sizes:
+                await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+                await asyncio.sleep(0.05)  # the client's side fills up: reading pauses
+                head = await client.read_until(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200")
+                got, client.buf = len(client.buf), b""
+                while got < size:
+                    got += len(await client.loop.sock_recv(client.sock, 65536))
+                assert got == size
+                async with asyncio.timeout(3):
+                    await client.send(b"GET /n HTTP/1.1\r\nHost: t\r\n\r\n")
+                    assert await client.response() == (200, {"content-length": "4"}, b"next")
+            assert worker.connections == 1
+            client.close()
+
+    run(test)
