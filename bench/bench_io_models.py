@@ -205,6 +205,12 @@ def core_python_us(n: int) -> float:
         def can_write_eof(self) -> bool:
             return True
 
+        def pause_reading(self) -> None:
+            pass
+
+        def resume_reading(self) -> None:
+            pass
+
     class NoLease:
         def release(self) -> None:
             pass
