@@ -22,12 +22,12 @@ from typing import Protocol, cast
 
 from agent.net import sockio
 from agent.net.answers import Answer, Style, made_up
+from agent.net.headcache import request_head
 from agent.net.http import (
     MAX_HEAD,
     HttpError,
     RequestHead,
     find_head_end,
-    parse_request_head,
     skip_empty_lines,
 )
 from agent.net.sockio import BUFFER_SIZE, BULK_SIZE, HEAD_SIZE, LINGER_S, give, take
@@ -269,7 +269,7 @@ class ClientConn(asyncio.BufferedProtocol):
                     self.answer(Answer(status, why), close=True)
                 return
             try:
-                req = parse_request_head(buf, self.start, head_end)
+                req = request_head(buf, self.start, head_end)
             except HttpError as e:
                 self.answer(Answer(e.status, e.reason), close=True)
                 return

@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol, cast
 
+from agent.net.headcache import response_head
 from agent.net.http import (
     MAX_HEAD,
     ChunkedScanner,
     HttpError,
     ResponseHead,
     find_head_end,
-    parse_response_head,
 )
 from agent.net.sockio import BUFFER_SIZE, BULK_SIZE, give, take
 
@@ -181,7 +181,7 @@ class UpstreamConn(asyncio.BufferedProtocol):
                         too_big = f"the {self.peer} sent a head larger than {MAX_HEAD} bytes"
                         raise HttpError(502, too_big)
                     return
-                resp = parse_response_head(buf, self.method, s, head_end)
+                resp = response_head(buf, self.method, s, head_end)
                 if resp.status < 200 and resp.body != "tunnel":
                     self.s = head_end
                     ex.on_interim(resp, view[s:head_end])

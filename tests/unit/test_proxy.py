@@ -1686,7 +1686,7 @@ def test_a_worker_connection_kept_after_a_slow_reader_still_reads_the_next_respo
             await writer.drain()
 
     async def test() -> None:
-        async with Setup(sized) as (worker, backend, px):
+        async with Setup(sized) as (worker, _backend, px):
             assert px.listener is not None
             # Small socket buffers on both ends of the client's connection: what the client
             # does not read stays in the proxy's own write buffer.
