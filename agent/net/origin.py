@@ -56,7 +56,8 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-VERDICTS_MAX = 1024  # hosts whose verdict is remembered
+VERDICTS_MAX = 1024  # hosts whose verdict is remembered, and field blocks whose answer is
+BLOCK_MAX = 1024  # bytes of a field block worth remembering
 DNS_WAIT_S = 2.0  # at most this long for the host's DNS name, off the event loop
 
 
@@ -70,6 +71,7 @@ class OriginCheck:
         )
         self.names.add("localhost")
         self._verdicts: dict[str, bool] = {}
+        self._checked: dict[bytes, Refused | None] = {}  # check()'s answers by field block
 
     async def learn_dns_name(self) -> None:
         """Add the host's DNS name (`socket.getfqdn()`), looked up in a thread; a resolver that
@@ -98,6 +100,7 @@ class OriginCheck:
         if name:
             self.names.add(name.lower().rstrip("."))
             self._verdicts.clear()
+            self._checked.clear()
 
     def local(self, host: str) -> bool:
         """A Host or Origin host a web page cannot have chosen for us (remembered: clients
@@ -115,7 +118,21 @@ class OriginCheck:
         return verdict
 
     def check(self, req: RequestHead) -> Refused | None:
-        """Why to refuse what a web page could have sent (403, 415), or None."""
+        """Why to refuse what a web page could have sent (403, 415), or None. A function of
+        the head's fields alone (its body's framing is theirs too): remembered per field
+        block, as clients send the same fields with every request."""
+        block = req.block
+        if len(block) > BLOCK_MAX:
+            return self._check(req)
+        checked = self._checked
+        if block in checked:
+            return checked[block]
+        verdict = checked[block] = self._check(req)
+        if len(checked) > VERDICTS_MAX:
+            checked.clear()
+        return verdict
+
+    def _check(self, req: RequestHead) -> Refused | None:
         host: str | None = None
         origin: str | None = None
         content_type: str | None = None

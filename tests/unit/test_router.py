@@ -253,3 +253,28 @@ def test_the_hosts_dns_name_is_learned_aside_and_a_stalled_resolver_stalls_nothi
     assert not check.local("box.lab.example")
     asyncio.run(check.learn_dns_name())
     assert check.local("box.lab.example")
+
+
+def test_a_remembered_host_verdict_is_revised_once_the_hosts_dns_name_is_known(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+
+    from agent.net import origin
+    from agent.net.http import parse_request_head
+
+    monkeypatch.setattr(origin.socket, "getfqdn", lambda: "box.lab.example")
+    check = origin.OriginCheck([], names=None)
+    req = parse_request_head(b"GET /v1/models HTTP/1.1\r\nHost: box.lab.example:8100\r\n\r\n")
+    for _ in range(2):
+        refused = check.check(req)
+        assert refused is not None and refused[2] == "forbidden_host"
+    asyncio.run(check.learn_dns_name())
+    assert check.check(req) is None
+    posted = parse_request_head(
+        b"POST /v1/x HTTP/1.1\r\nHost: localhost\r\nContent-Type: text/plain\r\n"
+        b"Content-Length: 2\r\n\r\n"
+    )
+    for _ in range(2):
+        refused = check.check(posted)
+        assert refused is not None and refused[0] == 415
