@@ -434,7 +434,11 @@ class Exchange(Streaming):
             up.close()
         if self.lease is not None:
             lease, self.lease = self.lease, None
-            lease.release()
+            try:
+                lease.release()
+            except Exception as e:  # the connection must still end or go on
+                log.warning("Failed to release a request's lease: %s", e)
+                log.debug("Failed to release a request's lease", exc_info=e)
         conn = self.conn
         if conn.ex is self:
             conn.tunnel = None

@@ -1712,3 +1712,30 @@ def test_a_worker_connection_kept_after_a_slow_reader_still_reads_the_next_respo
             client.close()
 
     run(test)
+
+
+def test_a_lease_that_fails_to_release_still_ends_the_connection() -> None:
+    """A failing release as the client goes must not leave the connection counted open."""
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+
+    async def test() -> None:
+        async with Setup(silent) as (_, backend, px):
+
+            def failing(self: FakeLease) -> None:
+                FakeLease.release(self)
+                raise RuntimeError("bug")
+
+            client = await px.connect()
+            await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+            async with asyncio.timeout(3):
+                while not backend.leases:
+                    await asyncio.sleep(0.005)
+            lease = backend.leases[0]
+            lease.release = failing.__get__(lease)  # type: ignore[method-assign]
+            client.close()
+            await px.settle()
+            assert lease.released and backend.active == 0
+
+    run(test)
