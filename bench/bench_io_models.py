@@ -10,9 +10,9 @@ Each runs in its own process, with its listening socket as fd 3 like the others,
 front of the same raw-socket backend. Prints, per path, the p50 of a small keep-alive
 request and the proxy process's CPU time per request. The difference between the two
 bare relays is what the I/O model costs; agent.net.proxy minus the protocol relay is what
-its HTTP handling costs. A last line gives that HTTP handling alone: the core's Python
+its HTTP handling costs. The last lines give that HTTP handling alone: the core's Python
 per request, its callbacks driven in this process on transports that do no I/O (no
-system calls, no event loop turns).
+system calls, no event loop turns), for the front's site and for the router's.
 
     python3 bench/bench_io_models.py [--quick]
 
@@ -171,13 +171,38 @@ def run(quick: bool) -> str:
             f"{name:14}{statistics.median(p50[name]):>10.0f}{statistics.median(cpu[name]):>18.0f}"
         )
     python = statistics.median(core_python_us(n) for _ in range(rounds))
+    routing = statistics.median(router_python_us(n) for _ in range(rounds))
     lines += [
         "",
         f"agent.net, its Python alone (no I/O): {python:.0f} µs per request",
+        f"the router on agent.net, its Python alone (no I/O): {routing:.0f} µs per request",
         "",
         "coroutines and protocols relay bytes and parse nothing; agent.net.proxy is the real path.",
     ]
     return "\n".join(lines) + "\n"
+
+
+class Counting(asyncio.Transport):
+    """A transport that does no I/O: it counts the writes it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes += 1
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
 
 
 def core_python_us(n: int) -> float:
@@ -190,26 +215,6 @@ def core_python_us(n: int) -> float:
     from agent.net.upconn import UpstreamConn
     from agent.net.upstream import Upstream
     from agent.spec.provider import Address
-
-    class Counting(asyncio.Transport):
-        def __init__(self) -> None:
-            super().__init__()
-            self.writes = 0
-
-        def write(self, data: bytes | bytearray | memoryview) -> None:
-            self.writes += 1
-
-        def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-            pass
-
-        def can_write_eof(self) -> bool:
-            return True
-
-        def pause_reading(self) -> None:
-            pass
-
-        def resume_reading(self) -> None:
-            pass
 
     class NoLease:
         def release(self) -> None:
@@ -262,6 +267,60 @@ def core_python_us(n: int) -> float:
             one()
         took = time.process_time() - t
         assert client.writes == n + 1000, "a request went unanswered"
+        return took / n * 1e6
+
+    return asyncio.run(measure())
+
+
+def router_python_us(n: int) -> float:
+    """CPU µs per keep-alive request of the router's own Python (its site on the core: the
+    Origin check, the JSON body's model, the lookup, the counting), driven as above: a
+    POST naming its model, the provider's answer on a kept connection."""
+    sys.path.insert(0, str(ROOT))
+    from agent.net.client import ClientConn
+    from agent.net.upconn import UpstreamConn
+    from agent.router.router import Router, Table
+    from agent.spec.provider import Address, Provider
+    from agent.spec.settings import RouterConfig
+
+    body = b'{"model": "bench", "messages": [{"role": "user", "content": "hello"}]}'
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    response = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+    async def measure() -> float:
+        provider = Provider(
+            slug="bench",
+            source=Path("/bench.toml"),
+            addresses=(Address("127.0.0.1", 1),),
+            model_names=("bench",),
+        )
+        router = Router(Table([provider]), RouterConfig(), [], exit_on_idle=False)
+        conn = ClientConn(router.site, router.site.style())
+        client = Counting()
+        conn.connection_made(client)
+        up = UpstreamConn(0, "provider")
+        up.connection_made(Counting())
+        up.clean = True
+        router.site.pool("bench").keep(up, 0)
+
+        def one() -> None:
+            conn.get_buffer(-1)[: len(request)] = request
+            conn.buffer_updated(len(request))
+            up.get_buffer(-1)[: len(response)] = response
+            up.buffer_updated(len(response))
+
+        for _ in range(1000):
+            one()
+        t = time.process_time()
+        for _ in range(n):
+            one()
+        took = time.process_time() - t
+        assert client.writes == n + 1000, "a request went unanswered"
+        if router._flush_timer is not None:
+            router._flush_timer.cancel()
         return took / n * 1e6
 
     return asyncio.run(measure())
