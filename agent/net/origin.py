@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import re
 import socket
 import threading
 from collections.abc import Iterable
@@ -33,6 +34,10 @@ from agent.net.http import RequestHead
 from agent.spec.provider import Address
 
 HOST_MAX = 255
+# The fields check() reads, from a validated field block (agent.net.http), values trimmed.
+_WANTED = re.compile(
+    rb"^(host|origin|content-type):[ \t]*([^\r\n]*?)[ \t]*\r?$", re.IGNORECASE | re.MULTILINE
+)
 Refused = tuple[int, str, str]  # status, message, code
 
 
@@ -136,13 +141,14 @@ class OriginCheck:
         host: str | None = None
         origin: str | None = None
         content_type: str | None = None
-        for name, value in req.headers:
-            key = name.lower()
-            if key == "host":
+        for m in _WANTED.finditer(req.block):  # the last of each counts
+            key = m[1].lower()
+            value = m[2].decode("latin-1")
+            if key == b"host":
                 host = value
-            elif key == "origin":
+            elif key == b"origin":
                 origin = value
-            elif key == "content-type":
+            else:
                 content_type = value
         if host is not None and not self.local(_host_part(host)):
             return (
