@@ -138,10 +138,7 @@ class Listeners:
             if self._fds_logged:
                 self.log.info("Accepting connections again (%d open)", self.open)
                 self._fds_logged = False
-            conn.setblocking(False)
-            if conn.family != socket.AF_UNIX:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.open += 1
+            self.open += 1  # non-blocking and TCP_NODELAY as it becomes a transport (net.proxy)
             self.on_connection(conn)
 
 
