@@ -118,9 +118,14 @@ class Upstream:
         return None
 
     def keep(self, sock: Kept, generation: int) -> None:
-        """Keep a connection whose last response ended cleanly, for the next request."""
-        if len(self._idle) < min(self.limit, IDLE_MAX):
-            self._idle.append((sock, generation, time.monotonic()))
+        """Keep a connection whose last response ended cleanly, for the next request; those
+        kept too long to be reused (the oldest come first) are closed."""
+        now = time.monotonic()
+        idle = self._idle
+        while idle and idle[0][2] < now - KEEP_IDLE_S:
+            idle.pop(0)[0].close()
+        if len(idle) < min(self.limit, IDLE_MAX):
+            idle.append((sock, generation, now))
         else:
             sock.close()
 

@@ -85,3 +85,31 @@ def test_kept_connections_are_reused_only_for_their_generation_and_while_fresh(
     assert up.take_idle(generation=1) is None and c.closed
     up.keep(d, generation=1)
     assert up.take_idle(generation=1) is d and not d.closed  # fresh, same worker: reused
+
+
+def test_kept_connections_too_old_to_be_reused_are_closed_when_another_is_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A burst leaves many idle connections; the newest is reused, and the others, never
+    to be reused once older than KEEP_IDLE_S, must not stay open to the worker."""
+
+    class Conn:
+        closed = False
+
+        def usable(self) -> bool:
+            return not self.closed
+
+        def close(self) -> None:
+            self.closed = True
+
+    now = [100.0]
+    monkeypatch.setattr(upstream.time, "monotonic", lambda: now[0])
+    pool = Upstream(limit=8, max_waiting=8)
+    burst = [Conn() for _ in range(5)]
+    for conn in burst:
+        pool.keep(conn, 1)
+    now[0] += upstream.KEEP_IDLE_S + 0.1
+    newest = Conn()
+    pool.keep(newest, 1)
+    assert all(conn.closed for conn in burst) and not newest.closed
+    assert pool.take_idle(1) is newest and pool.take_idle(1) is None
