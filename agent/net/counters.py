@@ -1,12 +1,20 @@
 """A provider's counters, kept across front restarts, for the metrics service.
 
 Fronts come and go (an idle provider runs no process), but Prometheus counters must
-not go back to zero at every idle release. So each front starts from what the last
-one left in `<state>/counters/<slug>.json`, counts in memory, and writes the file
-again when its worker starts or stops, at most every `FLUSH_S` while it serves, and
-when it exits. A scrape reads a running front's counters over its control socket
-(`status` carries them) and an idle provider's from the file: either way they only
-grow. Only a front killed outright loses what it counted since its last write.
+not go back to zero at every idle release, nor when a front is killed outright. So
+every count goes to two places:
+
+- the live file `<runtime>/<slug>.counters` (`agent.net.counterfile`: mapped into
+  memory, so each increment is in the page cache at once, with no system call):
+  a front killed with SIGKILL loses nothing;
+- `<state>/counters/<slug>.json`, written when the worker starts or stops, at most
+  every `FLUSH_S` while the front serves, and when it exits: it carries the counters
+  across a reboot, which empties /run.
+
+Each front starts from the larger of the two, value by value, and makes a fresh live
+file from that. A scrape reads a running front's counters over its control socket
+(`status` carries them) and an idle provider's from the files, the same way: either
+way they only grow. The router's counters work alike (`router-counters`).
 
 Pure data plus `load`/`save`; the front calls the `count_*` methods.
 """
@@ -19,17 +27,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.net.counterfile import CounterFile
+from agent.net.counterfile import read as read_live
 from agent.spec import paths
 from agent.spec.files import write_atomic
 
 # Cold-start duration buckets (seconds): a model loads in well under a second or in minutes.
 BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
-REFUSAL_CAUSES = ("start_failed", "gpu_unavailable", "too_many_waiting")
+REFUSAL_CAUSES = (
+    "start_failed",
+    "gpu_unavailable",
+    "too_many_waiting",
+    "unauthorized",
+    "forbidden",
+)
 FLUSH_S = 10.0
 
 
 def counters_file(slug: str) -> Path:
     return paths.state_dir() / "counters" / f"{slug}.json"
+
+
+def live_file(slug: str) -> Path:
+    """Beside, not in, the provider's runtime directory, which goes with the front."""
+    return paths.runtime_dir() / f"{slug}.counters"
 
 
 @dataclass
@@ -43,34 +64,78 @@ class Counters:
     start_buckets: list[int] = field(default_factory=lambda: [0] * len(BUCKETS))  # cumulative
     start_seconds_sum: float = 0.0
     dirty: bool = False
+    live: CounterFile | None = field(default=None, repr=False, compare=False)
+
+    def _add(self, name: str, n: int = 1) -> None:
+        self.dirty = True
+        if self.live is not None:
+            self.live.add(name, n)
 
     def count_served(self) -> None:
         self.served += 1
-        self.dirty = True
+        self._add("served")
 
     def count_refused(self, cause: str) -> None:
         self.refused[cause] = self.refused.get(cause, 0) + 1
-        self.dirty = True
+        self._add(f"refused.{cause}")
 
     def count_start(self, seconds: float) -> None:
         self.cold_starts += 1
         self.start_seconds_sum += seconds
+        self._add("cold_starts")
+        self._add("start_us", max(0, round(seconds * 1e6)))
         for i, bound in enumerate(BUCKETS):
             if seconds <= bound:
                 self.start_buckets[i] += 1
-        self.dirty = True
+                self._add(f"start_bucket.{bound:g}")
 
     def count_start_failure(self) -> None:
         self.start_failures += 1
-        self.dirty = True
+        self._add("start_failures")
 
     def count_idle_release(self) -> None:
         self.idle_releases += 1
-        self.dirty = True
+        self._add("idle_releases")
 
     def count_retirement(self) -> None:
         self.gpu_retirements += 1
-        self.dirty = True
+        self._add("gpu_retirements")
+
+    def to_live(self) -> dict[str, int]:
+        """The live file's names and values for these counters."""
+        out = {
+            "served": self.served,
+            "cold_starts": self.cold_starts,
+            "start_failures": self.start_failures,
+            "idle_releases": self.idle_releases,
+            "gpu_retirements": self.gpu_retirements,
+            "start_us": round(self.start_seconds_sum * 1e6),
+        }
+        out.update((f"refused.{c}", n) for c, n in self.refused.items())
+        out.update(
+            (f"start_bucket.{b:g}", n) for b, n in zip(BUCKETS, self.start_buckets, strict=True)
+        )
+        return out
+
+    @classmethod
+    def from_live(cls, values: dict[str, int]) -> Counters:
+        return cls(
+            served=values.get("served", 0),
+            refused={k[8:]: v for k, v in values.items() if k.startswith("refused.")},
+            cold_starts=values.get("cold_starts", 0),
+            start_failures=values.get("start_failures", 0),
+            idle_releases=values.get("idle_releases", 0),
+            gpu_retirements=values.get("gpu_retirements", 0),
+            start_buckets=[values.get(f"start_bucket.{b:g}", 0) for b in BUCKETS],
+            start_seconds_sum=values.get("start_us", 0) / 1e6,
+        )
+
+    def merged(self, other: Counters) -> Counters:
+        """The larger of the two, value by value (two snapshots of counters that only grow)."""
+        mine, theirs = self.to_live(), other.to_live()
+        return Counters.from_live(
+            {k: max(mine.get(k, 0), theirs.get(k, 0)) for k in mine.keys() | theirs.keys()}
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -120,19 +185,40 @@ class Counters:
         )
 
 
-def read(slug: str) -> dict[str, Any] | None:
-    """The persisted counters' JSON, or None when this provider never ran."""
+def _saved(slug: str) -> Counters | None:
     try:
         data = json.loads(counters_file(slug).read_text())
     except (OSError, ValueError):
-        return None
-    return Counters.from_json(data).to_json() if isinstance(data, dict) else None
+        data = None
+    saved = Counters.from_json(data) if isinstance(data, dict) else None
+    values = read_live(live_file(slug))
+    if values is None:
+        return saved
+    live = Counters.from_live(values)
+    return live if saved is None else live.merged(saved)
 
 
-def load(slug: str) -> Counters:
-    """Where the last front of `slug` left off (zeros the first time)."""
-    data = read(slug)
-    return Counters.from_json(data) if data is not None else Counters()
+def read(slug: str) -> dict[str, Any] | None:
+    """The counters the last front of `slug` left (its live file and its saved JSON,
+    the larger of each), or None when this provider never ran."""
+    found = _saved(slug)
+    return found.to_json() if found is not None else None
+
+
+def load(slug: str, log: logging.Logger | None = None) -> Counters:
+    """Where the last front of `slug` left off (zeros the first time). With `log` (a
+    front), counting goes on in a fresh live file; failing that, only in memory."""
+    found = _saved(slug) or Counters()
+    if log is not None:
+        try:
+            found.live = CounterFile(live_file(slug), found.to_live())
+        except OSError as e:
+            log.warning(
+                "Failed to create %s: %s; counters survive only a clean exit",
+                live_file(slug),
+                e.strerror or e,
+            )
+    return found
 
 
 def save(slug: str, counters: Counters, log: logging.Logger) -> None:
@@ -149,11 +235,20 @@ def save(slug: str, counters: Counters, log: logging.Logger) -> None:
 # -- the router's ------------------------------------------------------------------------
 
 ROUTER_FILE = "router-counters.json"  # beside the providers' directory: no slug can take it
+ROUTER_LIVE = "router-counters"  # no slug has a "-"
 ROUTER_FLUSH_S = 5.0
 
 
 def router_file() -> Path:
     return paths.state_dir() / ROUTER_FILE
+
+
+def router_live_file() -> Path:
+    return paths.runtime_dir() / ROUTER_LIVE
+
+
+def _router_key(provider: str, model: str, status: int) -> str:
+    return json.dumps([provider, model, status])
 
 
 @dataclass
@@ -166,11 +261,14 @@ class RouterCounters:
 
     requests: dict[tuple[str, str, int], int] = field(default_factory=dict)
     dirty: bool = False
+    live: CounterFile | None = field(default=None, repr=False, compare=False)
 
     def count(self, provider: str, model: str, status: int) -> None:
         k = (provider, model, status)
         self.requests[k] = self.requests.get(k, 0) + 1
         self.dirty = True
+        if self.live is not None:
+            self.live.add(_router_key(*k))
 
     def to_json(self) -> list[dict[str, Any]]:
         return [
@@ -198,11 +296,39 @@ class RouterCounters:
         return out
 
 
-def load_router() -> RouterCounters:
+def _router_from_live(values: dict[str, int]) -> RouterCounters:
+    items = []
+    for name, n in values.items():
+        try:
+            p, m, s = json.loads(name)
+        except (ValueError, TypeError):
+            continue
+        items.append({"provider": p, "model": m, "status": s, "requests": n})
+    return RouterCounters.from_json(items)
+
+
+def load_router(log: logging.Logger | None = None) -> RouterCounters:
+    """Where the last router left off: its live file and its saved JSON, the larger of
+    each. With `log` (the router itself), counting goes on in a fresh live file."""
     try:
-        return RouterCounters.from_json(json.loads(router_file().read_text()))
+        out = RouterCounters.from_json(json.loads(router_file().read_text()))
     except (OSError, ValueError):
-        return RouterCounters()
+        out = RouterCounters()
+    values = read_live(router_live_file())
+    if values is not None:
+        for k, n in _router_from_live(values).requests.items():
+            out.requests[k] = max(n, out.requests.get(k, 0))
+    if log is not None:
+        live = {_router_key(*k): n for k, n in out.requests.items()}
+        try:
+            out.live = CounterFile(router_live_file(), live)
+        except OSError as e:
+            log.warning(
+                "Failed to create %s: %s; counters survive only a clean exit",
+                router_live_file(),
+                e.strerror or e,
+            )
+    return out
 
 
 def save_router(c: RouterCounters, log: logging.Logger) -> None:

@@ -29,7 +29,13 @@ def test_round_trip_and_histogram() -> None:
     c.count_idle_release()
     c.count_retirement()
     d = c.to_json()
-    assert d["refused"] == {"gpu_unavailable": 1, "start_failed": 0, "too_many_waiting": 0}
+    assert d["refused"] == {
+        "gpu_unavailable": 1,
+        "start_failed": 0,
+        "too_many_waiting": 0,
+        "unauthorized": 0,
+        "forbidden": 0,
+    }
     buckets = dict((b, n) for b, n in d["start_seconds"]["buckets"])
     assert buckets[0.25] == 0 and buckets[0.5] == 1 and buckets[60.0] == 1 and buckets[120.0] == 2
     assert d["start_seconds"]["count"] == 2 and d["start_seconds"]["sum"] == pytest.approx(70.3)
@@ -103,4 +109,10 @@ def test_refusals_are_counted_by_cause() -> None:
         return dict(front.counters.to_json()["refused"])
 
     refused = asyncio.run(go())
-    assert refused == {"start_failed": 2, "too_many_waiting": 1, "gpu_unavailable": 0}
+    assert refused == {
+        "start_failed": 2,
+        "too_many_waiting": 1,
+        "gpu_unavailable": 0,
+        "unauthorized": 0,
+        "forbidden": 0,
+    }
