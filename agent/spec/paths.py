@@ -9,6 +9,7 @@ MANIFEST_DIRS = (Path("/etc/providerd/providers"), Path("/usr/lib/providerd/prov
 CONFIG = Path("/etc/providerd/providerd.toml")
 RUNTIME_DIR = Path("/run/providerd")
 STATE_DIR = Path("/var/lib/providerd")
+KEYS = Path("/etc/providerd/keys.toml")
 
 
 def manifest_dirs() -> list[Path]:
@@ -21,6 +22,11 @@ def manifest_dirs() -> list[Path]:
 
 def config_file() -> Path:
     return Path(os.environ.get("PROVIDERD_CONFIG", CONFIG))
+
+
+def keys_file() -> Path:
+    """The API keys file; its existence turns keys on (agent.spec.apikeys)."""
+    return Path(os.environ.get("PROVIDERD_KEYS", KEYS))
 
 
 def runtime_dir() -> Path:
