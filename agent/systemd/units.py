@@ -27,6 +27,8 @@ PYTHON = "/usr/bin/python3"
 INDEX = "providerd.json"
 # agent.spec.paths.backoff_file() at its default place, as a unit specifier.
 BACKOFF_FILE = "/run/providerd/%i.backoff"
+KEYS_FILE = "/etc/providerd/keys.toml"  # paths.KEYS: its existence turns API keys on
+WORKER_ENV_FILE = "/run/providerd/%i/worker.env"  # written by the front before its own start
 FRONT_STOP_MARGIN_S = 30  # the front's TimeoutStopSec= is stop_timeout_s plus this
 # Hidden from every worker by TemporaryFileSystem= in units/provider-worker@.service (other
 # providers' manifests); a working directory below them is bound back in read-only.
@@ -241,10 +243,14 @@ def worker_assignments(provider: Provider, python: str = PYTHON) -> list[Assignm
     if provider.starts_with_front:
         # Nothing to decide at run time: systemd starts the worker on the front's own
         # activation (the front Wants= it), unless the front's backoff after a failed
-        # start is running (it keeps that in a file between activations).
+        # start is running (it keeps that in a file between activations), or API keys are
+        # on: then a connection without a key must not start the model, and the front
+        # starts it (worker.env first) once a request may.
         out += [
             ("Unit", "ConditionPathExists", ""),
             ("Unit", "ConditionPathExists", f"!{BACKOFF_FILE}"),
+            ("Unit", "ConditionPathExists", f"|!{KEYS_FILE}"),
+            ("Unit", "ConditionPathExists", f"|{WORKER_ENV_FILE}"),
         ]
     lines = [("ExecStart", ""), ("ExecStart", exec_line(worker_argv(provider, python)))]
     if provider.known_worker_port:

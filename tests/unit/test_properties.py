@@ -238,7 +238,8 @@ def check_faithful(p: Provider) -> None:
         port["PROVIDERD_WORKER_HOST"] = units.worker_loopback(p.slug)
     assert env == {**port, **dict(p.environment)}
     conditions = values(worker, "ConditionPathExists")
-    assert conditions == (["", f"!{units.BACKOFF_FILE}"] if p.starts_with_front else [])
+    with_front = ["", f"!{units.BACKOFF_FILE}", f"|!{units.KEYS_FILE}", f"|{units.WORKER_ENV_FILE}"]
+    assert conditions == (with_front if p.starts_with_front else [])
     assert [unspecify(v) for v in values(worker, "WorkingDirectory")] == (
         [p.working_directory] if p.working_directory else []
     )
