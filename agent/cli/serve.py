@@ -20,7 +20,8 @@ from pathlib import Path
 from agent.front.front import Front, admission_for
 from agent.net import rpc
 from agent.router.router import Router, RouterError, close_foreground, foreground
-from agent.spec import paths
+from agent.spec import apikeys, paths
+from agent.spec.apikeys import KeySet
 from agent.spec.provider import Address, Provider
 from agent.systemd import preload
 from agent.systemd.units import worker_argv
@@ -83,7 +84,9 @@ def unenforced(provider: Provider) -> list[str]:
     return out
 
 
-def make_front(provider: Provider, listeners: list[socket.socket]) -> Front:
+def make_front(
+    provider: Provider, listeners: list[socket.socket], keys: KeySet | None = None
+) -> Front:
     flog = logging.getLogger(f"providerd.{provider.slug}")
     worker = ProcessWorker(
         provider.slug,
@@ -102,16 +105,19 @@ def make_front(provider: Provider, listeners: list[socket.socket]) -> Front:
         exit_on_idle=False,
         log=flog,
         admission=admission_for(provider, worker),
+        keys=keys,
     )
 
 
 async def serve(providers: list[Provider]) -> int:
     listeners: dict[str, list[socket.socket]] = {}
     router: Router | None = None
+    keys = apikeys.load()  # the keys file itself: no systemd credential here
+    apikeys.report(keys, log)
     try:
         for provider in providers:
             listeners[provider.slug] = [bind(a) for a in provider.addresses]
-        router = foreground(providers, bind)  # when providerd.toml enables it
+        router = foreground(providers, bind, keys)  # when providerd.toml enables it
     except (ServeError, RouterError) as e:
         for socks in listeners.values():
             for s in socks:
@@ -119,7 +125,7 @@ async def serve(providers: list[Provider]) -> int:
         log.error("%s", e)
         return 1
 
-    fronts = [make_front(p, listeners[p.slug]) for p in providers]
+    fronts = [make_front(p, listeners[p.slug], keys) for p in providers]
     servers = []
     for front in fronts:
         p = front.provider

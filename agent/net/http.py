@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -462,6 +462,7 @@ def error_response(
     close: bool,
     retry_after_s: float | None = None,
     head_only: bool = False,
+    headers: Sequence[tuple[str, str]] = (),
 ) -> bytes:
     """A complete HTTP/1.1 response with a JSON body, as the proxy answers by itself."""
     payload = json.dumps(body, separators=(", ", ": ")).encode() + b"\n"
@@ -472,6 +473,7 @@ def error_response(
     ]
     if retry_after_s is not None:
         lines.append(f"Retry-After: {max(0, math.ceil(retry_after_s))}")
+    lines += [f"{name}: {value}" for name, value in headers]
     if close:
         lines.append("Connection: close")
     head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")

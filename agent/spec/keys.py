@@ -271,6 +271,15 @@ KEYS: tuple[Key, ...] = (
     ),
     Key(
         "runtime",
+        "keyless_idle_ignore_paths",
+        "bool",
+        "boolean",
+        "false",
+        "With API keys on (/etc/providerd/keys.toml), let requests to `idle_ignore_paths` "
+        "through without a key. Such a request still starts the model if it is not running.",
+    ),
+    Key(
+        "runtime",
         "pinned",
         "bool",
         "boolean",

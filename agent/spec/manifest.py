@@ -555,17 +555,28 @@ def secret_warnings(p: Provider) -> list[str]:
 
 def main_check(items: list[str], out: TextIO, err: TextIO) -> int:
     """`providerctl check [PATH...]`: every problem one line on `out`, exit 1 if any."""
-    found = check_paths([Path(i) for i in items]) if items else discover()
-    for problem in found.problems:
+    from agent.spec.apikeys import check as check_keys
+
+    key_problems, keys_line = check_keys(items)
+    keys_file = os.path.abspath(paths.keys_file())
+    only_keys = bool(items) and all(os.path.abspath(i) == keys_file for i in items)
+    items = [i for i in items if os.path.abspath(i) != keys_file]
+    if only_keys:
+        found = Discovery()
+    else:
+        found = check_paths([Path(i) for i in items]) if items else discover()
+    for problem in [*found.problems, *key_problems]:
         out.write(f"{problem}\n")
     for p in found.providers.values():
         for line in front_read_warnings(p) + secret_warnings(p):
             err.write(line + "\n")
-    if found.problems:
+    if found.problems or key_problems:
         return 1
     for p in found.providers.values():
         out.write(printable(summary(p)) + "\n")
-    if not found.providers:
+    if keys_line is not None:
+        out.write(printable(keys_line) + "\n")
+    if not found.providers and not only_keys:
         where = ", ".join(items) if items else ", ".join(str(d) for d in paths.manifest_dirs())
         err.write(printable(f"providerctl: no manifests found in {where}") + "\n")
     return 0

@@ -90,6 +90,7 @@ class Provider:
     idle_timeout_s: float = 600.0
     stop_timeout_s: float = 30.0  # bounded wait for requests in flight on `providerctl stop`
     idle_ignore_paths: tuple[str, ...] = ()
+    keyless_idle_ignore_paths: bool = False  # with API keys on, those paths need no key
     pinned: bool = False  # never released when idle, never retired by GPU admission
     preload: bool = False  # loaded at boot (the front is wanted by multi-user.target)
 

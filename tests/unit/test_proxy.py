@@ -73,6 +73,9 @@ class FakeBackend:
     def paths(self) -> list[str | None]:
         return [lease.path for lease in self.leases]
 
+    def gate_request(self, req: object) -> None:
+        return None
+
     def lease(self, path: str | None) -> FakeLease:
         lease = FakeLease(self, path)
         self.leases.append(lease)
