@@ -38,7 +38,7 @@ fi
 
 # What exists of the documentation is installed; the lists are written here so that
 # the package follows the tree.
-for f in README.md docs/manifest.md docs/architecture.md docs/kubernetes.md docs/metrics.md; do
+for f in README.md docs/manifest.md docs/architecture.md docs/kubernetes.md docs/metrics.md docs/keys.md; do
     if [[ -f $tree/$f ]]; then echo "$f"; fi
 done >"$tree/debian/providerd.docs"
 mkdir -p "$tree/docs/man" "$tree/examples"

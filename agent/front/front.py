@@ -734,7 +734,11 @@ async def run_systemd(slug: str) -> int:
         front.restore_backoff(saved)
     front.start_accepting()
     notify("READY=1")
-    front.warm(preload.activation_cause(provider))  # a connection, a plain start, the boot
+    cause = preload.activation_cause(provider)
+    if keys is None or cause == preload.CAUSE:
+        # A connection, a plain start, the boot. With API keys on, a connection alone
+        # starts nothing: the first request whose key may start the model does.
+        front.warm(cause)
     server = await rpc.serve(paths.control_socket(slug), front.handle)
     loop = asyncio.get_running_loop()
     grace = provider.stop_timeout_s
