@@ -62,6 +62,7 @@ def _state_dir_of_this_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     a test's own, never the host's /var/lib/providerd."""
     monkeypatch.setenv("PROVIDERD_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("PROVIDERD_RUNTIME_DIR", str(tmp_path / "run"))  # live counters
+    monkeypatch.setenv("PROVIDERD_KEYS", str(tmp_path / "keys.toml"))  # none: keys off
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
