@@ -70,6 +70,19 @@ TWO = Refusal(
 )
 
 
+KEY_FIELDS = (b"authorization", b"x-api-key")
+
+
+def without_keys(head: bytes) -> bytes:
+    """A request head (request line through the empty line, CRLF only, as the parser
+    accepts it) without its Authorization and x-api-key fields: what a front sends its
+    worker while keys are on, so that model code never sees a client's key."""
+    lines = head.split(b"\r\n")
+    kept = [lines[0]]
+    kept += [ln for ln in lines[1:] if ln.split(b":", 1)[0].strip().lower() not in KEY_FIELDS]
+    return b"\r\n".join(kept)
+
+
 def presented(req: RequestHead) -> list[str]:
     """The keys the request carries: the token of each `Authorization: Bearer` field and
     the value of each `x-api-key` field (empty ones left out). Other schemes are ignored."""

@@ -53,6 +53,7 @@ class FakeBackend:
         self.generation = 1
         self.request_timeout_s = request_timeout_s
         self.ignore: tuple[str, ...] = ()
+        self.strip_keys = False
         self.leases: list[FakeLease] = []
         self.active = 0
         self.gate = asyncio.Event()
@@ -333,6 +334,43 @@ def test_keep_alive_reuses_one_worker_connection_and_leases_each_request() -> No
             # Idle keep-alive: open, no lease held, nothing new leased.
             await asyncio.sleep(0.05)
             assert backend.active == 0 and len(backend.leases) == 2 and len(px.tasks) == 1
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+async def head_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answers every request with its head as received, and its body."""
+    while True:
+        try:
+            head, body = await read_request(reader)
+        except asyncio.IncompleteReadError:
+            return
+        writer.write(ok(head + body))
+        await writer.drain()
+
+
+def test_with_keys_on_the_worker_never_sees_a_clients_key() -> None:
+    async def test() -> None:
+        async with Setup(head_worker) as (_worker, backend, px):
+            backend.strip_keys = True
+            client = await px.connect()
+            await client.send(
+                b"POST /v1/x HTTP/1.1\r\nHost: h\r\nAuthorization: Bearer pd-secret\r\n"
+                b"X-Api-Key: pd-secret\r\nContent-Length: 2\r\n\r\nhi"
+            )
+            got = (await client.response())[2]
+            assert got == b"POST /v1/x HTTP/1.1\r\nHost: h\r\nContent-Length: 2\r\n\r\nhi"
+            # A body that arrives later takes the other path: the same head goes out.
+            await client.send(
+                b"POST /v1/y HTTP/1.1\r\nHost: h\r\nx-api-key: pd-secret\r\n"
+                b"Content-Length: 3\r\n\r\n"
+            )
+            await asyncio.sleep(0.05)
+            await client.send(b"abc")
+            got = (await client.response())[2]
+            assert got == b"POST /v1/y HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\n\r\nabc"
             client.close()
             await px.settle()
 
