@@ -263,3 +263,50 @@ def test_check_validates_the_keys_file_with_the_manifests(
     out = io.StringIO()
     assert manifest.main_check([], out, io.StringIO()) == 1
     assert "is readable by group or others (mode 0640)" in out.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "loop", "huge", "deep", "binary"])
+def test_a_hostile_keys_file_fails_closed_in_one_line(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PROVIDERD_TRUSTED_UID", str(os.getuid()))
+    path = tmp_path / "keys.toml"
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)  # never opened for reading: nothing blocks
+    elif kind == "directory":
+        path.mkdir(mode=0o700)
+    elif kind == "loop":
+        path.symlink_to(path)
+    elif kind == "huge":
+        path.write_bytes(b"#" * (apikeys.MAX_BYTES + 1))
+    elif kind == "deep":
+        path.write_bytes(b"x = " + b"[" * 5000 + b"]" * 5000 + b"\n")
+    else:
+        path.write_bytes(os.urandom(512))
+    if kind not in ("loop", "directory", "fifo"):
+        path.chmod(0o600)
+    keys = apikeys.load({}, path)
+    assert keys is not None and keys.keys == ()  # on, and no key is valid
+    assert keys.problems and all("\n" not in str(p) for p in keys.problems)
+    assert all(str(p).startswith(str(path)) for p in keys.problems)
+
+
+def test_a_hostile_keys_file_never_stops_the_generator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The generator's output does not depend on the keys file at all (the units test its
+    existence themselves), so a FIFO or garbage there cannot stop or change it."""
+    from agent.systemd import generator
+    from tests.unit.test_generator import GOOD as MANIFEST
+    from tests.unit.test_generator import stderr_log, tree, write
+
+    write(tmp_path / "providers", "aaa.toml", MANIFEST.format(port=9001))
+    monkeypatch.setenv("PROVIDERD_MANIFEST_DIRS", str(tmp_path / "providers"))
+    monkeypatch.setenv("PROVIDERD_KEYS", str(tmp_path / "absent.toml"))
+    assert generator.main([str(tmp_path / "a")], stderr_log()[0]) == 0
+    fifo = tmp_path / "keys.toml"
+    os.mkfifo(fifo, 0o666)
+    monkeypatch.setenv("PROVIDERD_KEYS", str(fifo))
+    assert generator.main([str(tmp_path / "b")], stderr_log()[0]) == 0
+    assert tree(tmp_path / "a") == tree(tmp_path / "b")
+    assert "provider-worker@aaa.service.d/50-manifest.conf" in tree(tmp_path / "b")
