@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,24 @@ def keyed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> int:
     return port
 
 
+OPEN: dict[tuple[int, str], openai.OpenAI] = {}
+
+
 def client(port: int, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+    """One client per port and key, closed after each test (no connection left open)."""
+    if (port, key) not in OPEN:
+        OPEN[port, key] = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0
+        )
+    return OPEN[port, key]
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    for c in OPEN.values():
+        c.close()
+    OPEN.clear()
 
 
 NO_KEY: dict[str, Any] = {"extra_headers": {"Authorization": openai.Omit()}}  # no header at all
