@@ -45,6 +45,7 @@ from agent.spec.provider import Problem
 from agent.spec.values import Invalid, did_you_mean, expect_bool, load_toml, quote
 
 CREDENTIAL = "providerd-keys"
+ABSENT = b"absent"  # the credential's value when there is no file (SetCredential=)
 MAX_BYTES = 256 << 10
 MAX_KEYS = 1024
 MAX_TOKEN = 4096  # longer presented tokens are wrong without being hashed
@@ -170,7 +171,8 @@ def parse(raw: bytes, source: str) -> KeySet:
     seen: dict[bytes, str] = {}
     for top, body in data.items():
         if top != "keys":
-            msg = f"unknown table{did_you_mean(top, ['keys'])}; the file holds [keys.NAME] tables"
+            what = "table" if isinstance(body, dict) else "key"
+            msg = f"unknown {what}{did_you_mean(top, ['keys'])}; the file holds [keys.NAME] tables"
             problems.append(Problem(source, top, msg))
             continue
         if not isinstance(body, dict):
@@ -201,15 +203,14 @@ def keys_on(path: Path | None = None) -> bool:
 def _read(path: Path, credential: Path | None) -> KeySet:
     file = str(path)
     checks = [(path, False), (path.parent, True)]
-    refused = [
-        p
-        for p in mode_problems(path, checks, paths.trusted_uids(), KEYS_DECIDE)
-        if "writable" in p.message or "owned" in p.message
-    ]
+    refused = mode_problems(path, checks, paths.trusted_uids(), KEYS_DECIDE)  # owner, writers
     try:
         raw = read_regular(credential or path, MAX_BYTES, "keys file")
     except FileProblem as e:
         return KeySet((), (Problem(file, "", e.message), *refused), file)
+    if credential is not None and raw == ABSENT:
+        late = "did not exist when this unit started; it applies from its next start"
+        return KeySet((), (Problem(file, "", late),), file)
     got = parse(raw, file)
     extra: list[Problem] = []
     try:

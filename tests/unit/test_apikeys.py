@@ -163,6 +163,13 @@ def test_the_credential_holds_what_systemd_loaded(
     (creds / apikeys.CREDENTIAL).write_bytes(GOOD)
     keys = apikeys.load({"CREDENTIALS_DIRECTORY": str(creds)}, path)
     assert keys is not None and [k.name for k in keys.keys] == ["alice", "bob"]
+    # The file was created after the unit started: systemd gave it "absent". No key yet.
+    (creds / apikeys.CREDENTIAL).write_bytes(apikeys.ABSENT)
+    keys = apikeys.load({"CREDENTIALS_DIRECTORY": str(creds)}, path)
+    assert keys is not None and keys.keys == ()
+    assert [str(p) for p in keys.problems] == [
+        f"{path}: did not exist when this unit started; it applies from its next start"
+    ]
 
 
 # -- the check of one request ------------------------------------------------------------
