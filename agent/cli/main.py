@@ -76,6 +76,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
+    from agent.cli.keys import push
     from agent.systemd.reload import Systemctl, reload
 
     if not systemd_booted():
@@ -83,7 +84,10 @@ def cmd_reload(args: argparse.Namespace) -> int:
             "systemd is not running on this host; there is nothing to reload",
             "run providers in the foreground with 'providerctl serve PATH...'",
         )
-    return reload(Systemctl(), sys.stdout)
+    rc = reload(Systemctl(), sys.stdout)
+    if push(sys.stdout, sys.stderr) and rc == 0:  # keys: to the fronts that run now
+        rc = 1
+    return rc
 
 
 def _known_slugs() -> tuple[dict[str, Any], list[str]]:

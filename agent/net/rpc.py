@@ -1,7 +1,9 @@
 """The front's control socket: one JSON object per line in, one per line out.
 
-Requests (`op`): "status", "warm", "stop" (with "grace_s"), "retire".
-`providerctl` and other fronts (GPU admission) are the clients.
+Requests (`op`): "status", "warm", "stop" (with "grace_s"), "retire", "keys".
+`providerctl` and other fronts (GPU admission) are the clients. The server adds
+`peer_uid` to each request: the connecting process's uid (SO_PEERCRED), for requests
+only root may make.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import json
 import os
 import socket
+import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -27,12 +30,18 @@ async def serve(path: Path, handler: Handler) -> asyncio.AbstractServer:
     """Listen on `path` (replacing a stale socket) and answer each line with `handler`."""
 
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer_uid = -1
+        sock = writer.get_extra_info("socket")
+        with contextlib.suppress(OSError, AttributeError):
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            peer_uid = struct.unpack("3i", creds)[1]
         try:
             while line := await reader.readline():
                 try:
                     request = json.loads(line)
                     if not isinstance(request, dict):
                         raise ValueError("expected a JSON object")
+                    request["peer_uid"] = peer_uid
                     answer = await handler(request)
                 except (ValueError, KeyError, TypeError) as e:
                     answer = {"error": f"bad request: {e}"}

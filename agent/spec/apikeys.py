@@ -282,3 +282,36 @@ def check(items: list[str]) -> tuple[list[Problem], str | None]:
             Problem(str(path), "keys", "holds no key: every request that needs one is refused")
         ], None
     return [], f"{path}: {len(keys.keys)} API key(s): " + ", ".join(k.name for k in keys.keys)
+
+
+def to_wire(keys: KeySet | None) -> list[dict[str, object]] | None:
+    """The keys as `providerctl reload` sends them to running fronts (hashes only)."""
+    if keys is None:
+        return None
+    return [
+        {"name": k.name, "sha256": k.digest.hex(), "providers": list(k.providers),
+         "can_start": k.can_start}
+        for k in keys.keys
+    ]  # fmt: skip
+
+
+def from_wire(data: object, source: str) -> KeySet | None:
+    """`to_wire`'s output back, checked like the file (an entry that does not check out
+    is left out: fail closed)."""
+    if data is None:
+        return None
+    items = data if isinstance(data, list) else []
+    raw = {
+        str(d.get("name")): {k: v for k, v in d.items() if k != "name"}
+        for d in items[:MAX_KEYS]
+        if isinstance(d, dict)
+    }
+    keys: list[ApiKey] = []
+    problems: list[Problem] = []
+    for name, body in raw.items():
+        got = _entry(source, name, body)
+        if isinstance(got, list):
+            problems += got
+        else:
+            keys.append(got)
+    return KeySet(tuple(keys), tuple(problems), source)

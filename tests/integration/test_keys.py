@@ -172,3 +172,33 @@ def test_idle_ignore_paths_may_stay_open(serve: Any, keyed: int) -> None:
     assert status == 401 and json.loads(body)["error"] == "missing_api_key"
     assert headers["www-authenticate"].startswith("Bearer")
     assert served.count("Starting worker") == 1  # the open /health, by the operator's choice
+
+
+def test_a_revoked_key_stops_at_once_and_the_model_keeps_running(
+    serve: Any, keyed: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `providerctl reload` does after the keys file changed: the running fronts get
+    the new keys over their control sockets; the model is not restarted."""
+    import io
+    import os
+
+    from agent.cli.keys import push
+
+    port = free_port()
+    served: Served = serve(("alpha", demo(port, "alpha", 'names = ["alpha-1b"]')))
+    assert client(port, ALPHA).embeddings.create(model="alpha-1b", input=["x"]).model == "alpha"
+    (tmp_path / "keys.toml").write_text(KEYS.replace("[keys.alpha_only]", "[keys.renamed]"))
+    monkeypatch.setenv("PROVIDERD_RUNTIME_DIR", str(served.runtime))
+    monkeypatch.setenv("PROVIDERD_TRUSTED_UID", str(os.getuid()))
+    out, err = io.StringIO(), io.StringIO()
+    assert push(out, err) == 0, err.getvalue()
+    assert out.getvalue() == "API keys: 3 key(s) in force in 1 running front(s)\n"
+    assert client(port, ALPHA).embeddings.create(model="alpha-1b", input=["x"]).model == "alpha"
+
+    (tmp_path / "keys.toml").write_text(KEYS.split("[keys.alpha_only]")[0])  # alpha_only gone
+    assert push(io.StringIO(), err) == 0
+    with pytest.raises(openai.AuthenticationError):
+        client(port, ALPHA).embeddings.create(model="alpha-1b", input=["x"])
+    assert client(port, FULL).embeddings.create(model="alpha-1b", input=["x"]).model == "alpha"
+    assert served.count("Starting worker") == 1  # the same worker all along
+    assert ALPHA not in served.log and sha(ALPHA) not in served.log

@@ -99,3 +99,82 @@ def test_idle_ignore_paths_are_open_only_when_the_manifest_says_so() -> None:
     assert opened(head("GET", "/health")) is None
     b = opened(head("GET", "/healthz"))
     assert b is not None and b.status == 401
+
+
+# -- keys handed to a running front (providerctl reload) --------------------------------
+
+
+def test_the_wire_form_round_trips_and_fails_closed() -> None:
+    from agent.spec import apikeys
+
+    wire = apikeys.to_wire(KEYS)
+    assert wire is not None and all(
+        set(w) == {"name", "sha256", "providers", "can_start"} for w in wire
+    )
+    back = apikeys.from_wire(wire, "/k.toml")
+
+    def shape(ks: apikeys.KeySet) -> list[tuple[object, ...]]:
+        return [(k.name, k.digest, k.providers, k.can_start) for k in ks.keys]
+
+    assert back is not None and shape(back) == shape(KEYS)  # descriptions stay home
+    assert apikeys.from_wire(None, "/k.toml") is None  # keys off
+    hostile = apikeys.from_wire([{"name": "x", "sha256": "short"}, 7, {"name": "Y"}], "/k.toml")
+    assert hostile is not None and hostile.keys == () and hostile.problems
+    assert apikeys.from_wire("nonsense", "/k.toml") == apikeys.KeySet((), (), "/k.toml")
+
+
+def test_a_running_front_takes_new_keys_from_root_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+    import os
+
+    from agent.front.front import Front
+    from agent.spec import apikeys
+    from tests.unit.test_front import InProcessWorker, listener
+
+    monkeypatch.setenv("PROVIDERD_TRUSTED_UID", str(os.getuid()))
+
+    async def go() -> None:
+        sock = listener()
+        front = Front(provider(), InProcessWorker(), [sock], exit_on_idle=False, keys=KEYS)
+        req = head("POST", "/v1/x", f"x-api-key: {ALICE}")
+        assert front.request_gate(req) is None
+        only_bob = apikeys.to_wire(parse(GOOD, "/k.toml"))
+        assert only_bob is not None
+        only_bob = [w for w in only_bob if w["name"] == "bob"]
+        refused = await front.handle({"op": "keys", "keys": only_bob, "peer_uid": 4242})
+        assert refused == {"error": "only root may change the API keys"}
+        assert front.request_gate(req) is None  # unchanged
+        done = await front.handle({"op": "keys", "keys": only_bob, "peer_uid": os.getuid()})
+        assert done == {"keys": 1}
+        answer = front.request_gate(req)
+        assert answer is not None and answer.status == 401  # alice is revoked, at once
+        assert await front.handle({"op": "keys", "keys": None, "peer_uid": 0}) == {"keys": None}
+        assert front.request_gate(req) is None  # keys off
+        sock.close()
+
+    asyncio.run(go())
+
+
+def test_the_control_socket_tells_who_connects(tmp_path: object) -> None:
+    import asyncio
+    import os
+    from pathlib import Path
+
+    from agent.net import rpc
+
+    seen: list[object] = []
+
+    async def handler(request: dict[str, object]) -> dict[str, object]:
+        seen.append(request.get("peer_uid"))
+        return {}
+
+    async def go() -> None:
+        path = Path(str(tmp_path)) / "c.sock"
+        server = await rpc.serve(path, handler)
+        await rpc.acall(path, {"op": "status", "peer_uid": 0}, 5)  # a client cannot claim one
+        server.close()
+
+    asyncio.run(go())
+    assert seen == [os.getuid()]
