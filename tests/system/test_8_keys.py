@@ -5,6 +5,7 @@ starts no worker; with the key it is served."""
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +16,7 @@ from .nspawn import Container
 PORT = 18092
 SLUG = "keyed"
 KEY = "pd-container-0123456789"
+NEW = "pd-container-rotated-0123456789"
 
 
 @pytest.fixture
@@ -63,6 +65,27 @@ def test_a_request_without_the_key_starts_no_worker(
     code, out = status(ct, "http://127.0.0.1:8100/v1/models", f"x-api-key: {KEY}")
     assert code == "200", out
 
+    # The key is rotated: `providerctl reload` applies it to the running front (the same
+    # worker goes on serving) and restarts the router.
+    worker_pid = ct.prop(f"provider-worker@{SLUG}.service", "MainPID")
+    digest = hashlib.sha256(NEW.encode()).hexdigest()
+    ct.write("/etc/providerd/keys.toml", f'[keys.ci]\nsha256 = "{digest}"\n', mode=0o600)
+    t0 = time.monotonic()
+    out = ct.sh("providerctl reload").out
+    print(f"keys: providerctl reload with changed keys took {time.monotonic() - t0:.1f} s")
+    assert "API keys: 1 key(s) in force in 1 running front(s)" in out, out
+    assert "restarted providerd-router.service" in out, out
+    code, _ = status(ct, f"http://127.0.0.1:{PORT}/", f"Authorization: Bearer {KEY}")
+    assert code == "401"
+    code, _ = status(ct, f"http://127.0.0.1:{PORT}/", f"Authorization: Bearer {NEW}")
+    assert code == "200"
+    assert ct.prop(f"provider-worker@{SLUG}.service", "MainPID") == worker_pid
+    code, _ = status(ct, "http://127.0.0.1:8100/v1/models", f"x-api-key: {KEY}")
+    assert code == "401"
+    code, _ = status(ct, "http://127.0.0.1:8100/v1/models", f"x-api-key: {NEW}")
+    assert code == "200"
+
     journal = ct.journal(since=since)
     assert "API keys are on: 1 key(s)" in journal
-    assert KEY not in journal and hashlib.sha256(KEY.encode()).hexdigest() not in journal
+    for secret in (KEY, NEW):
+        assert secret not in journal and hashlib.sha256(secret.encode()).hexdigest() not in journal
