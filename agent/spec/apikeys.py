@@ -13,7 +13,7 @@ copy of the file (a backup, a credential directory) gives away no key. Keys are 
 tokens (docs/keys.md makes one), so an unsalted hash is enough.
 
 Under systemd the file reaches the fronts and the router as the credential
-`providerd-keys` (`LoadCredential=` in their templates, with an empty `SetCredential=`
+`providerd-keys` (`LoadCredential=` in their templates, with `SetCredential=` "absent"
 for when the file does not exist); they run as user `providerd` and cannot read the
 file itself, only stat it. The same existence test keeps systemd from starting a
 worker beside its front while keys are on (the worker template's conditions), so that
@@ -23,7 +23,8 @@ Fail closed: a file that cannot be read or parsed, or that someone besides root 
 or may write, gives no key at all (every request that needs one is refused); an entry
 with a problem is left out and the others still work. Every problem is one line,
 `<file>: keys.NAME.FIELD: <message>`, and never shows a secret or a hash.
-Pure but for `load` and `keys_on`.
+`to_wire`/`from_wire` carry the keys (hashes only) to running fronts on `providerctl
+reload`. Pure but for `load`, `keys_on`, `check` and `report`.
 """
 
 from __future__ import annotations
