@@ -317,3 +317,21 @@ def test_a_hostile_keys_file_never_stops_the_generator(
     assert generator.main([str(tmp_path / "b")], stderr_log()[0]) == 0
     assert tree(tmp_path / "a") == tree(tmp_path / "b")
     assert "provider-worker@aaa.service.d/50-manifest.conf" in tree(tmp_path / "b")
+
+
+_NAME = st.sampled_from(["Authorization", "x-api-key", "X-API-KEY", "Accept", "X-Other"])
+_VALUE = st.text(alphabet="abcdefgh 0123-_=", min_size=1, max_size=20).map(str.strip).filter(bool)
+
+
+@given(st.lists(st.tuples(_NAME, _VALUE), max_size=8))
+def test_without_keys_drops_exactly_the_key_fields(fields: list[tuple[str, str]]) -> None:
+    raw = b"POST /v1/x HTTP/1.1\r\nHost: h\r\n" + b"".join(
+        f"{n}: {v}\r\n".encode() for n, v in fields
+    )
+    raw += b"Content-Length: 0\r\n\r\n"
+    out = auth.without_keys(raw)
+    assert out.endswith(b"\r\n\r\n") and out.startswith(b"POST /v1/x HTTP/1.1\r\n")
+    kept = parse_request_head(out).headers
+    assert [(n.lower(), v) for n, v in kept] == [("host", "h")] + [
+        (n.lower(), v) for n, v in fields if n.lower() not in ("authorization", "x-api-key")
+    ] + [("content-length", "0")]
