@@ -66,7 +66,7 @@ def test_a_running_front_answers_for_itself(tmp_path: Path) -> None:
 
     async def go() -> bytes:
         async def handle(req: dict[str, Any]) -> dict[str, Any]:
-            assert req == {"op": "status"}
+            assert req == {"op": "status", "peer_uid": os.getuid()}  # the server adds who asks
             return {
                 "state": "ready",
                 "in_flight": 2,
