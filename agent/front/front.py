@@ -24,11 +24,16 @@ from pathlib import Path
 from typing import Any
 
 from agent.front import backoff as saved_backoff
+from agent.front.gate import Gate
 from agent.front.state import Action, Backoff, Event, State, step
-from agent.net import counters
+from agent.net import auth, counters
+from agent.net.answers import Answer
+from agent.net.http import RequestHead
 from agent.net.listeners import HttpListeners, Listeners
 from agent.net.proxy import FrontSite, Style, Unavailable, serve_tcp, too_many_waiting
 from agent.net.upstream import Upstream
+from agent.spec import apikeys, paths
+from agent.spec.apikeys import KeySet
 from agent.spec.provider import Address, Provider
 from agent.systemd import preload
 from agent.systemd.units import worker_loopback
@@ -87,6 +92,17 @@ class _Worker:
     def lease(self, path: str | None) -> _Lease:
         return self.front.lease(path)
 
+    def request_gate(self, req: RequestHead) -> Answer | None:
+        """API keys, and the model list while the worker is not ready (agent.front.gate)."""
+        answer = self.front.request_gate(req)
+        if answer is not None and (cause := auth.cause_of(answer)):
+            self.front.counters.count_refused(cause)
+        return answer
+
+    def strips_keys(self) -> bool:
+        """With API keys on, the worker never sees a client's key."""
+        return self.front.request_gate.keys is not None
+
     def ready_now(self) -> tuple[Address, int] | None:
         front = self.front
         return (front.address, front.generation) if front.state == State.READY else None
@@ -142,6 +158,7 @@ class Front:
         admission: Admission | None = None,
         worker_port: int | None = None,
         backoff_file: Path | None = None,
+        keys: KeySet | None = None,
     ) -> None:
         self.provider = provider
         self.worker = worker
@@ -180,7 +197,8 @@ class Front:
         self.backoff = Backoff()
         self.backoff_until = 0.0
         self.done = asyncio.Event()  # set when the front has released everything and should exit
-        self.counters = counters.load(provider.slug)  # where the last front left off
+        self.counters = counters.load(provider.slug, self.log)  # where the last front left off
+        self.request_gate = Gate(provider, keys, lambda: self.state)  # API keys, the model list
         self._flush_timer: asyncio.TimerHandle | None = None
 
         self.site = FrontSite(_Worker(self))
@@ -621,7 +639,23 @@ class Front:
             return await self.stop(float(request.get("grace_s", self.provider.stop_timeout_s)))
         if op == "retire":
             return await self.retire()
+        if op == "keys":
+            return self.reload_keys(request)
         return {"error": f"unknown op {op!r}"}
+
+    def reload_keys(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`providerctl reload` (root) hands over the keys file as it is now (hashes only):
+        a changed or revoked key takes effect at once, without restarting the model."""
+        if request.get("peer_uid") not in paths.trusted_uids():
+            return {"error": "only root may change the API keys"}
+        keys = apikeys.from_wire(request.get("keys"), str(paths.keys_file()))
+        changed = apikeys.to_wire(keys) != apikeys.to_wire(self.request_gate.keys)
+        self.request_gate.keys = keys
+        if changed and keys is None:
+            self.log.info("API keys are off now")
+        elif changed:
+            apikeys.report(keys, self.log)
+        return {"keys": None if keys is None else len(keys.keys)}
 
     async def status(self) -> dict[str, Any]:
         idle_for = None
@@ -715,8 +749,10 @@ async def run_systemd(slug: str) -> int:
     bus = DbusSystemd()
     await bus.connect()
     backoff_file = paths.backoff_file(slug)
-    # While that file exists the worker's condition kept systemd from starting it.
-    with_front = provider.starts_with_front and not backoff_file.exists()
+    keys = apikeys.load()  # the credential providerd-keys, while the keys file exists
+    apikeys.report(keys, log)
+    # While either file exists the worker's conditions kept systemd from starting it.
+    with_front = provider.starts_with_front and not backoff_file.exists() and keys is None
     saved = None if with_front else saved_backoff.load(backoff_file, provider)
     worker = SystemdWorker(bus, slug, provider.start_timeout_s, with_front=with_front)
     front = Front(
@@ -729,6 +765,7 @@ async def run_systemd(slug: str) -> int:
         admission=admission_for(provider, worker),
         worker_port=provider.known_worker_port,
         backoff_file=backoff_file,
+        keys=keys,
     )
     if saved is not None:
         front.restore_backoff(saved)

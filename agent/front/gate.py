@@ -21,10 +21,11 @@ from collections.abc import Callable
 from urllib.parse import unquote
 
 from agent.front.state import State
-from agent.net.auth import Answer, Refusal, authenticate, authorize, may_start
+from agent.net.answers import Answer
+from agent.net.auth import Refusal, authenticate, authorize, may_start
 from agent.net.http import RequestHead
-from agent.router.router import Refusal as RouterRefusal
 from agent.router.router import table_from
+from agent.router.table import Refusal as RouterRefusal
 from agent.spec.apikeys import KeySet
 from agent.spec.provider import Provider
 
@@ -74,9 +75,9 @@ class Gate:
 
     def models(self, name: str) -> Answer:
         if not name:
-            return Answer(200, self.table.listing())
+            return Answer(200, "", "model_list", doc=self.table.listing())
         try:
             provider = self.table.lookup(name)
         except RouterRefusal as r:
-            return Answer(r.status, r.body())
-        return Answer(200, self.table.entry(name, provider))
+            return Answer(r.status, r.message, r.code)
+        return Answer(200, "", "model", doc=self.table.entry(name, provider))

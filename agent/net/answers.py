@@ -45,6 +45,8 @@ class Answer:
     extra: Mapping[str, object] = field(default_factory=dict)
     kind: str = ""  # OpenAI style: "invalid_request_error" or "server_error"
     close: bool = False  # the connection closes after it, whatever the request said
+    headers: tuple[tuple[str, str], ...] = ()  # such as WWW-Authenticate on a 401
+    doc: Mapping[str, object] | None = None  # a 2xx of the listener's own: this is the body
 
     def __post_init__(self) -> None:
         if not self.code:
@@ -73,6 +75,8 @@ class Style:
         self.log = log
 
     def body(self, a: Answer) -> dict[str, object]:
+        if a.doc is not None:
+            return dict(a.doc)
         if self.openai:
             kind = a.kind or ("server_error" if a.status >= 500 else "invalid_request_error")
             return {"error": {"message": a.message, "type": kind, "code": a.code}, **a.extra}
@@ -87,8 +91,15 @@ class Style:
 def made_up(
     style: Style, a: Answer, *, close: bool, head_only: bool = False, what: str = ""
 ) -> bytes:
-    """The bytes of answer `a`, logged (rate-limited per status) with its cause."""
-    style.log(a, what)
+    """The bytes of answer `a`, logged (rate-limited per status) with its cause when it
+    refuses."""
+    if a.status >= 400:
+        style.log(a, what)
     return error_response(
-        a.status, style.body(a), close=close, retry_after_s=a.retry_after_s, head_only=head_only
+        a.status,
+        style.body(a),
+        close=close,
+        retry_after_s=a.retry_after_s,
+        head_only=head_only,
+        headers=a.headers,
     )

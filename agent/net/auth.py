@@ -13,24 +13,14 @@ Pure: `authenticate(keys, head)` → the key or a `Refusal`; `authorize(key, slu
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
+from agent.net.answers import Answer
 from agent.net.http import RequestHead
 from agent.spec.apikeys import ApiKey, KeySet
 
 REALM = 'Bearer realm="providerd"'
 HOW = "send it as Authorization: Bearer KEY or as x-api-key: KEY"
-
-
-@dataclass(frozen=True)
-class Answer:
-    """A response a listener makes from the request's head alone (its request gate)."""
-
-    status: int
-    body: Mapping[str, object]
-    headers: tuple[tuple[str, str], ...] = ()
-    cause: str = ""  # a refusal's cause in the counters; "" when it is no refusal
 
 
 @dataclass(frozen=True)
@@ -55,7 +45,22 @@ class Refusal:
         return {"error": self.code, "message": self.message}
 
     def answer(self) -> Answer:
-        return Answer(self.status, self.body(), self.headers(), self.cause)
+        """The answer, in the listener's style (flat on a provider's port, OpenAI's on the
+        router), with its WWW-Authenticate."""
+        return Answer(self.status, self.message, self.code, headers=self.headers())
+
+
+CAUSES = {
+    "missing_api_key": "unauthorized",
+    "invalid_api_key": "unauthorized",
+    "key_out_of_scope": "forbidden",
+    "cold_start_not_allowed": "forbidden",
+}
+
+
+def cause_of(answer: Answer) -> str:
+    """The counters' refusal cause of a key answer (`unauthorized`, `forbidden`), or ""."""
+    return CAUSES.get(answer.code, "") if answer.status in (401, 403) else ""
 
 
 MISSING = Refusal(401, "missing_api_key", f"This endpoint needs an API key: {HOW}")

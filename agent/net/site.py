@@ -18,6 +18,7 @@ from typing import Protocol
 from agent.errors import ProviderdError
 from agent.net import exchange
 from agent.net.answers import Answer
+from agent.net.auth import without_keys
 from agent.net.client import ClientConn
 from agent.net.contract import Exchange, Lease, Target
 from agent.net.http import HttpError, RequestHead, ResponseHead
@@ -113,6 +114,7 @@ class FrontSite:
         self.backend = backend
         self.on_request = on_request  # a connection's request began (its lease is held)
         self.gate_hook: Gate | None = getattr(backend, "request_gate", None)
+        self.strips_keys: Callable[[], bool] | None = getattr(backend, "strips_keys", None)
         self.ready_now: Callable[[], Target | None] | None = getattr(backend, "ready_now", None)
 
     @property
@@ -136,6 +138,11 @@ class FrontSite:
         lease = self.backend.lease(ex.req.path)
         if self.on_request is not None:
             self.on_request(ex.conn)
+        if self.strips_keys is not None and self.strips_keys():
+            # API keys on: the worker gets the request without Authorization and x-api-key.
+            head = without_keys(bytes(ex.data[: ex.head_len]))
+            ex.data[: ex.head_len] = head
+            ex.head_len = len(head)
         return lease
 
     def refusal(self, e: Exception) -> Answer | None:

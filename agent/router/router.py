@@ -37,8 +37,10 @@ import socket
 import stat
 from collections.abc import Callable, Iterable
 
-from agent.net import counters
+from agent.net import auth, counters
+from agent.net.answers import Answer
 from agent.net.client import ClientConn
+from agent.net.http import RequestHead
 from agent.net.listeners import HttpListeners
 from agent.net.origin import OriginCheck
 from agent.net.ratelog import RateLog
@@ -53,6 +55,8 @@ from agent.router.table import (
     quoted,
     target_address,
 )
+from agent.spec import apikeys
+from agent.spec.apikeys import KeySet
 from agent.spec.provider import Address, Provider
 from agent.spec.settings import RouterConfig
 
@@ -98,6 +102,7 @@ class Router:
         exit_on_idle: bool,
         notify: Notify = lambda _s: None,
         systemd: bool = False,
+        keys: KeySet | None = None,
     ) -> None:
         self.table = table
         self.config = config
@@ -110,7 +115,10 @@ class Router:
         self.done = asyncio.Event()
         self.origin = OriginCheck(config.addresses)
         self.in_flight = 0  # requests in flight
+        self.keys = keys  # API keys (None: off)
         self.site = RouterSite(self, self.note)
+        if keys is not None:  # the request gate: 401 on the head alone
+            self.site.request_gate = self.authenticate
         # Each new connection counts as busy until its first request, FIRST_REQUEST_GRACE_S
         # at most: counted in the accept callback itself, an idle exit decided in this same
         # turn of the loop sees it.
@@ -120,8 +128,14 @@ class Router:
         self._idle_timer: asyncio.TimerHandle | None = None
         self._quiet: asyncio.Event | None = None  # set when no request is in flight (stop)
         self._dns: asyncio.Task[None] | None = None
-        self.counters = counters.load_router()  # where the last router left off
+        self.counters = counters.load_router(log)  # where the last router left off
         self._flush_timer: asyncio.TimerHandle | None = None
+
+    def authenticate(self, req: RequestHead) -> Answer | None:
+        """The router's key check on a request head: None, or the 401."""
+        assert self.keys is not None
+        key = auth.authenticate(self.keys, req)
+        return key.answer() if isinstance(key, auth.Refusal) else None
 
     def count(self, provider: str, model: str, status: int) -> None:
         """One answered request (`providerd_router_requests_total`), saved within 5 s."""
@@ -267,7 +281,9 @@ class RouterError(Exception):
 
 
 def foreground(
-    providers: list[Provider], bind: Callable[[Address], socket.socket]
+    providers: list[Provider],
+    bind: Callable[[Address], socket.socket],
+    keys: KeySet | None = None,
 ) -> Router | None:
     """`providerctl serve`: the router over `providers` when the settings enable it, bound
     and accepting; None when they do not. Raises RouterError (bad settings) or what `bind`
@@ -288,7 +304,7 @@ def foreground(
         for sock in listeners:
             sock.close()
         raise
-    router = Router(table_from(providers), config.router, listeners, exit_on_idle=False)
+    router = Router(table_from(providers), config.router, listeners, exit_on_idle=False, keys=keys)
     router.start_accepting()
     where = ", ".join(str(a) for a in config.router.addresses)
     log.info("Routing requests by model on %s (%d model name(s))", where, len(router.table.names))
@@ -318,6 +334,8 @@ async def run_systemd() -> int:
             log.error("Failed to load settings: %s", problem)
         return 1
     table = discover_table()
+    keys = apikeys.load()  # the credential providerd-keys, while the keys file exists
+    apikeys.report(keys, log)
     router = Router(
         table,
         config.router,
@@ -325,6 +343,7 @@ async def run_systemd() -> int:
         exit_on_idle=True,
         notify=notify,
         systemd=True,
+        keys=keys,
     )
     router.start_accepting()
     notify("READY=1\nSTATUS=Routing requests by model")

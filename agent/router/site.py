@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Protocol
 from urllib.parse import unquote
 
-from agent.net import exchange
+from agent.net import auth, exchange
 from agent.net.answers import Answer, Style
 from agent.net.client import ClientConn
 from agent.net.contract import Exchange, Target
@@ -34,6 +34,7 @@ from agent.router.table import (
     quoted,
     target_address,
 )
+from agent.spec.apikeys import ApiKey, KeySet
 from agent.spec.provider import Provider
 from agent.spec.settings import RouterConfig
 
@@ -45,6 +46,7 @@ class Routing(Protocol):
     config: RouterConfig
     origin: OriginCheck
     systemd: bool
+    keys: KeySet | None  # API keys; None: off
 
     def begin(self, conn: ClientConn) -> None: ...
     def end(self, conn: ClientConn) -> None: ...
@@ -160,6 +162,7 @@ class RouterSite:
         model = model_of(body)
         provider = table.lookup(model)
         ex.label = (provider.slug, model if model in table.names else "")
+        self.in_scope(ex, provider.slug)
         self.providers[provider.slug] = provider
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -175,10 +178,30 @@ class RouterSite:
         """`GET /v1/models` and `GET /v1/models/<name>`."""
         table = self.router.table
         if path in (MODELS_PATH, MODELS_PATH + "/"):
-            ex.reply(200, table.listing())
+            key = self.key(ex)
+            ex.reply(200, table.listing(None if key is None else key.reaches))
             return
         name = unquote(path[len(MODELS_PATH) + 1 :])
-        ex.reply(200, table.entry(name, table.lookup(name)))  # Refusal: 404, 409
+        provider = table.lookup(name)  # Refusal: 404, 409
+        self.in_scope(ex, provider.slug)
+        ex.reply(200, table.entry(name, provider))
+
+    def key(self, ex: Exchange) -> ApiKey | None:
+        """The request's API key (the gate let it through), or None with keys off."""
+        keys = self.router.keys
+        if keys is None:
+            return None
+        key = auth.authenticate(keys, ex.req)
+        if isinstance(key, auth.Refusal):  # the gate refused it already; never here
+            raise Refusal(key.status, key.message, key.code)
+        return key
+
+    def in_scope(self, ex: Exchange, slug: str) -> None:
+        """Raises Refusal(403) when the request's key does not reach provider `slug`."""
+        key = self.key(ex)
+        refused = auth.authorize(key, slug) if key is not None else None
+        if refused is not None:
+            raise Refusal(refused.status, refused.message, refused.code)
 
     async def target(self, ex: Exchange) -> Target:
         raise AssertionError("the router's target is known at once")

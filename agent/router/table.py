@@ -9,7 +9,7 @@ command line or a path.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from agent.spec.patterns import Pattern, PatternError, compile_pattern, nested_repetition
 from agent.spec.provider import Address, Provider
@@ -132,9 +132,13 @@ class Table:
             "owned_by": provider.slug,
         }
 
-    def listing(self) -> dict[str, object]:
-        """`GET /v1/models`: every exact name, in OpenAI's list format."""
-        return {"object": "list", "data": [self.entry(n, p) for n, p in self.names.items()]}
+    def listing(self, reaches: Callable[[str], bool] | None = None) -> dict[str, object]:
+        """`GET /v1/models`: every exact name (of the providers `reaches` accepts, if given),
+        in OpenAI's list format."""
+        data = [
+            self.entry(n, p) for n, p in self.names.items() if reaches is None or reaches(p.slug)
+        ]
+        return {"object": "list", "data": data}
 
 
 def dechunk(buf: bytes | bytearray, start: int, end: int) -> bytes:

@@ -75,6 +75,18 @@ def _close_clients() -> Iterator[None]:
 NO_KEY: dict[str, Any] = {"extra_headers": {"Authorization": openai.Omit()}}  # no header at all
 
 
+def code(body: dict[str, Any]) -> str:
+    """The refusal's code: the router answers in OpenAI's shape (`error.code`), a
+    provider's own port flat (`error`)."""
+    error = body["error"]
+    return str(error["code"] if isinstance(error, dict) else error)
+
+
+def message(body: dict[str, Any]) -> str:
+    error = body["error"]
+    return str(error["message"] if isinstance(error, dict) else body["message"])
+
+
 def state(served: Served, slug: str) -> str:
     r = served.ctl("status", "--json", slug)
     return str(json.loads(r.stdout)["providers"][0]["state"])
@@ -91,12 +103,12 @@ def test_the_openai_client_needs_a_key_on_the_router_and_the_own_port(
         with pytest.raises(openai.AuthenticationError) as e:
             client(port, "x").embeddings.create(model="alpha-1b", input=["x"], **NO_KEY)
         body = e.value.response.json()
-        assert e.value.status_code == 401 and body["error"] == "missing_api_key"
-        assert body["message"].startswith("This endpoint needs an API key")
+        assert e.value.status_code == 401 and code(body) == "missing_api_key"
+        assert message(body).startswith("This endpoint needs an API key")
         assert e.value.response.headers["www-authenticate"] == 'Bearer realm="providerd"'
         with pytest.raises(openai.AuthenticationError) as e:
             client(port, "pd-wrong").embeddings.create(model="alpha-1b", input=["x"])
-        assert e.value.response.json()["error"] == "invalid_api_key"
+        assert code(e.value.response.json()) == "invalid_api_key"
         assert "invalid_token" in e.value.response.headers["www-authenticate"]
     # Refused requests started nothing.
     assert served.count("Starting worker") == 0 and state(served, "alpha") == "idle"
@@ -134,7 +146,7 @@ def test_scopes_and_can_start(serve: Any, keyed: int, tmp_path: Path) -> None:
     # A key scoped to alpha: 403 for beta, on the router and on beta's port.
     with pytest.raises(openai.PermissionDeniedError) as e:
         client(keyed, ALPHA).embeddings.create(model="beta-7b", input=["x"])
-    assert e.value.response.json()["error"] == "key_out_of_scope"
+    assert code(e.value.response.json()) == "key_out_of_scope"
     with pytest.raises(openai.PermissionDeniedError):
         client(beta_port, ALPHA).embeddings.create(model="beta-7b", input=["x"])
     # It lists only what it reaches.
@@ -145,7 +157,7 @@ def test_scopes_and_can_start(serve: Any, keyed: int, tmp_path: Path) -> None:
     for port in (keyed, beta_port):
         with pytest.raises(openai.PermissionDeniedError) as e:
             client(port, NOSTART).embeddings.create(model="beta-7b", input=["x"])
-        assert e.value.response.json()["error"] == "cold_start_not_allowed"
+        assert code(e.value.response.json()) == "cold_start_not_allowed"
     assert served.count("Starting worker") == 0 and state(served, "beta") == "idle"
     # ... and served once another key started it.
     client(keyed, FULL).embeddings.create(model="beta-7b", input=["x"])
@@ -169,7 +181,7 @@ def test_idle_ignore_paths_may_stay_open(serve: Any, keyed: int) -> None:
     status, _, _ = call(port, "GET", "/health")
     assert status == 200
     status, headers, body = call(port, "GET", "/v1/models/alpha-1b")
-    assert status == 401 and json.loads(body)["error"] == "missing_api_key"
+    assert status == 401 and code(json.loads(body)) == "missing_api_key"
     assert headers["www-authenticate"].startswith("Bearer")
     assert served.count("Starting worker") == 1  # the open /health, by the operator's choice
 

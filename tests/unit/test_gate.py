@@ -9,6 +9,7 @@ import pytest
 
 from agent.front.gate import Gate
 from agent.front.state import State
+from agent.net.auth import cause_of
 from agent.net.http import RequestHead, parse_request_head
 from agent.spec.apikeys import parse
 from tests.unit.test_apikeys import ALICE, BOB, GOOD
@@ -32,11 +33,13 @@ def test_the_model_list_comes_from_the_manifest_until_the_worker_is_ready(state:
     g = gate(state, keys=None)
     for path in ("/v1/models", "/models", "/v1/models?limit=3"):
         a = g(head("GET", path))
-        assert a is not None and a.status == 200 and a.cause == ""
-        assert [m["id"] for m in a.body["data"]] == ["esm-2", "esm-3"]  # type: ignore[attr-defined]
-        assert json.dumps(a.body)  # the router's shape, as JSON
+        assert a is not None and a.status == 200 and a.doc is not None
+        assert cause_of(a) == ""  # no refusal
+        assert [m["id"] for m in a.doc["data"]] == ["esm-2", "esm-3"]  # type: ignore[attr-defined]
+        assert json.dumps(a.doc)  # the router's shape, as JSON
     one = g(head("GET", "/v1/models/esm-x"))  # a pattern answers for a name asked by itself
-    assert one is not None and one.status == 200 and one.body["owned_by"] == "esm"
+    assert one is not None and one.status == 200 and one.doc is not None
+    assert one.doc["owned_by"] == "esm"
     missing = g(head("GET", "/v1/models/other"))
     assert missing is not None and missing.status == 404
     assert g(head("POST", "/v1/models")) is None  # not a listing: the worker's
@@ -50,7 +53,7 @@ def test_a_ready_worker_answers_the_model_list_itself() -> None:
 def test_keys_are_checked_before_anything_else() -> None:
     g = gate(State.IDLE)
     a = g(head("GET", "/v1/models"))
-    assert a is not None and (a.status, a.body["error"], a.cause) == (
+    assert a is not None and (a.status, a.code, cause_of(a)) == (
         401,
         "missing_api_key",
         "unauthorized",
@@ -76,7 +79,7 @@ def test_a_key_without_can_start_is_served_only_while_the_model_runs_or_starts(
 ) -> None:
     a = gate(state)(head("POST", "/v1/embeddings", f"x-api-key: {BOB}"))
     if refused:
-        assert a is not None and (a.status, a.body["error"]) == (403, "cold_start_not_allowed")
+        assert a is not None and (a.status, a.code) == (403, "cold_start_not_allowed")
     else:
         assert a is None
     # Listing models never starts anything: allowed in every state.
@@ -88,7 +91,7 @@ def test_a_key_out_of_scope_is_403_whatever_the_state() -> None:
     p = provider(slug="whisper")
     for state in State:
         a = Gate(p, KEYS, lambda s=state: s)(head("GET", "/v1/models", f"x-api-key: {BOB}"))
-        assert a is not None and (a.status, a.body["error"]) == (403, "key_out_of_scope")
+        assert a is not None and (a.status, a.code) == (403, "key_out_of_scope")
 
 
 def test_idle_ignore_paths_are_open_only_when_the_manifest_says_so() -> None:

@@ -53,7 +53,7 @@ class FakeBackend:
         self.generation = 1
         self.request_timeout_s = request_timeout_s
         self.ignore: tuple[str, ...] = ()
-        self.strip_keys = False
+        self.keys_on = False  # API keys: the site strips them from what the worker gets
         self.leases: list[FakeLease] = []
         self.active = 0
         self.gate = asyncio.Event()
@@ -74,8 +74,8 @@ class FakeBackend:
     def paths(self) -> list[str | None]:
         return [lease.path for lease in self.leases]
 
-    def gate_request(self, req: object) -> None:
-        return None
+    def strips_keys(self) -> bool:
+        return self.keys_on
 
     def lease(self, path: str | None) -> FakeLease:
         lease = FakeLease(self, path)
@@ -354,7 +354,7 @@ async def head_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 def test_with_keys_on_the_worker_never_sees_a_clients_key() -> None:
     async def test() -> None:
         async with Setup(head_worker) as (_worker, backend, px):
-            backend.strip_keys = True
+            backend.keys_on = True
             client = await px.connect()
             await client.send(
                 b"POST /v1/x HTTP/1.1\r\nHost: h\r\nAuthorization: Bearer pd-secret\r\n"
