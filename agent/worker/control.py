@@ -142,11 +142,13 @@ class SystemdWorker:
             ) from None
         finally:
             if watching is not None:
+                failing = sys.exc_info()[1]  # the start's own failure, if any, comes first
                 try:
                     await watching
                 except BaseException:
                     self._watching = False  # the next start tries again
-                    raise
+                    if failing is None:
+                        raise
         if result == "done":
             active = await self.systemd.get(self.unit, "Unit", "ActiveState")
             if active == "active":
@@ -404,6 +406,9 @@ class ProcessWorker:
             raise StartFailed(
                 f"worker did not become ready within {self.start_timeout_s:g} s", list(self.tail)
             )
+        except asyncio.CancelledError:
+            await self._terminate(proc)  # a cancelled start leaves no process and no credentials
+            raise
         finally:
             loop.remove_reader(notify.fileno())
             notify.close()
