@@ -263,7 +263,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _gpu_cards() -> list[dict[str, Any]]:
     try:
-        from agent.front.gpu_hooks import cards_status
+        from agent.gpu.admission import cards_status
     except ImportError:
         return []
     return cards_status()

@@ -25,6 +25,7 @@ from typing import Any
 
 from agent.front import backoff as saved_backoff
 from agent.front.gate import Gate
+from agent.front.hooks import Admission
 from agent.front.state import Action, Backoff, Event, State, step
 from agent.net import auth, counters
 from agent.net.answers import Answer
@@ -37,30 +38,13 @@ from agent.spec.apikeys import KeySet
 from agent.spec.provider import Address, Provider
 from agent.systemd import preload
 from agent.systemd.units import worker_loopback
-from agent.worker.control import DeviceRules, StartFailed, WorkerControl
+from agent.worker.control import StartFailed, WorkerControl
 
 # A new connection counts as in flight until its first request arrives, at most this long,
 # so an idle exit never closes a connection whose request is on its way.
 FIRST_REQUEST_GRACE_S = 5.0
 
 Notify = Callable[[str], object]
-
-
-class Admission:
-    """Decides where (and whether) a worker may start: the GPU's say. CPU providers: always."""
-
-    async def admit(self, front: Front) -> tuple[dict[str, str], DeviceRules | None]:
-        """Environment for the worker and its device rules (None: leave them alone)."""
-        return {}, None
-
-    async def started(self, front: Front) -> None:
-        """The worker answers: start watching it."""
-
-    async def released(self, front: Front) -> None:
-        """The worker is gone: give back what admission reserved."""
-
-    def status(self, front: Front) -> dict[str, Any]:
-        return {}
 
 
 class _Lease:

@@ -5,6 +5,9 @@ over their control sockets), hand the worker its `CUDA_VISIBLE_DEVICES` and devi
 rules, and start sampling its VRAM. When the worker is gone: store the measured
 peak as the footprint and drop the reservation. (`cards_status()`, for
 `providerctl status`, lives in `agent.gpu.admission`, which does not import the front.)
+
+The hook sees the front only as an `agent.front.hooks.Host` (its log, and a way to
+release the worker): the front imports this module, never the other way round.
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from agent.front.front import Admission
+from agent.front.hooks import Admission, Host
 from agent.gpu.admission import (
     DEFAULT_HEADROOM,
     AdmissionRefused,
@@ -31,9 +34,6 @@ from agent.gpu.vram import Overage, VramSampler
 from agent.spec import paths
 from agent.spec.provider import Provider
 from agent.worker.control import DeviceRules, StartFailed, WorkerControl
-
-if TYPE_CHECKING:
-    from agent.front.front import Front
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class GpuAdmission(Admission):
             self._nvml = open_nvml()
         return self._nvml
 
-    async def admit(self, front: Front) -> tuple[dict[str, str], DeviceRules | None]:
+    async def admit(self, host: Host) -> tuple[dict[str, str], DeviceRules | None]:
         try:
             nvml = self.nvml()
             self.admitted = await admit(
@@ -98,24 +98,24 @@ class GpuAdmission(Admission):
             raise GpuRefused(e.refusal) from None
         a = self.admitted
         if a.retired:
-            front.log.info(
+            host.log.info(
                 "Retired %s to make room on the GPU; NVML showed the memory free after %.2f s",
                 ", ".join(a.retired),
                 a.freed_wait_s,
             )
-        front.log.info(
+        host.log.info(
             "Placed on GPU %s (%s)",
             ",".join(str(i) for i in a.placement.indices),
             ",".join(a.placement.uuids),
         )
-        self._start_sampler(front, nvml, a)
+        self._start_sampler(host, nvml, a)
         return worker_env(a.placement), device_allow(a.placement)
 
-    def _start_sampler(self, front: Front, nvml: Nvml, admitted: Admitted) -> None:
+    def _start_sampler(self, host: Host, nvml: Nvml, admitted: Admitted) -> None:
         async def over(o: Overage) -> None:
             self.last_overage = o
             if o.action == "stop":
-                front.release_worker(o.message)
+                host.release_worker(o.message)
 
         self.sampler = VramSampler(
             nvml,
@@ -129,7 +129,7 @@ class GpuAdmission(Admission):
         )
         self._task = asyncio.get_running_loop().create_task(self.sampler.run())
 
-    async def started(self, front: Front) -> None:
+    async def started(self, host: Host) -> None:
         # The sampler runs from admission on, so loading is measured too. One more
         # sample now puts the ready worker's PIDs in its reservation at once: until
         # they are there, another admission counts this worker's memory twice (in
@@ -138,7 +138,7 @@ class GpuAdmission(Admission):
         if self.sampler is not None:
             await self.sampler.step()
 
-    async def released(self, front: Front) -> None:
+    async def released(self, host: Host) -> None:
         if self._task is not None:
             self._task.cancel()
             try:
@@ -146,18 +146,18 @@ class GpuAdmission(Admission):
             except asyncio.CancelledError:
                 pass
             except Exception as e:  # never in the way of the release
-                front.log.error("Failed to sample VRAM: %s", e)
+                host.log.error("Failed to sample VRAM: %s", e)
             self._task = None
         if self.sampler is not None and self.sampler.peak_bytes > 0:
             try:
                 self.footprints.record(self.provider.slug, self.sampler.peak_bytes)
             except OSError as e:
-                front.log.warning("Failed to store the VRAM footprint: %s, ignoring", e)
+                host.log.warning("Failed to store the VRAM footprint: %s, ignoring", e)
         if self.admitted is not None:
             self.admitted.release()
             self.admitted = None
 
-    def status(self, front: Front) -> dict[str, Any]:
+    def status(self, host: Host) -> dict[str, Any]:
         stored = self.footprints.peak(self.provider.slug)
         current = self.sampler.peak_bytes if self.sampler is not None else 0
         a = self.admitted
