@@ -1,4 +1,7 @@
-"""The front's backoff after a failed start, kept from one activation to the next.
+"""The front's backoff after a failed start: how long, and kept from one activation to the next.
+
+`Backoff` is the delay: 1 s, 2 s, 4 s … up to a cap, shared by every waiter, reset by a
+start that succeeds.
 
 A provider whose worker systemd starts beside the front (`Provider.starts_with_front`)
 would otherwise try a broken model again on every activation, however often it failed:
@@ -19,11 +22,45 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent.spec.files import write_atomic
 from agent.spec.provider import Provider
+
+
+class Backoff:
+    """A growing delay after failures, shared by every waiter: 1 s, 2 s, 4 s … up to a cap."""
+
+    def __init__(self, first_s: float = 1.0, cap_s: float = 60.0) -> None:
+        self.first_s = first_s
+        self.cap_s = cap_s
+        self.failures = 0  # consecutive failures
+        self.until = 0.0  # time.monotonic() when the current backoff runs out
+        self.last_s = 0.0  # the delay the last failure got
+
+    def next_delay(self) -> float:
+        """One more failure: the delay before the next try (and `until` moves to its end)."""
+        delay = min(self.cap_s, self.first_s * float(2**self.failures))
+        self.failures += 1
+        self.until = time.monotonic() + delay
+        self.last_s = delay
+        return delay
+
+    def left(self) -> float:
+        """Seconds until the current backoff runs out (0 when it has)."""
+        return max(0.0, self.until - time.monotonic())
+
+    def resume(self, saved: Saved) -> float:
+        """Go on from an earlier front's backoff; the seconds it still runs (0: over)."""
+        self.failures = saved.failures
+        self.until = saved.until
+        return self.left()
+
+    def reset(self) -> None:
+        self.failures = 0
+        self.until = 0.0
 
 
 @dataclass(frozen=True)

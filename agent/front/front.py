@@ -7,8 +7,9 @@ connections, timers and control requests only send it events.
 What `ready()` does in each state (the contract every held connection relies on):
 - ready: returns the worker's address at once.
 - idle: starts the worker, then waits like `starting`.
-- starting / stopping: waits for the start (or for the stop, then a fresh start).
+- starting / stopping: waits for the start (or for the stop, then demands again).
 - backoff: refuses at once with 503 and the time left before the next try.
+- leaving (systemd mode, shown as stopping): waits until the front exits.
 - more than `max_held` already waiting: refuses at once.
 """
 
@@ -19,14 +20,15 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agent.front import backoff as saved_backoff
 from agent.front.gate import Gate
 from agent.front.hooks import Admission
-from agent.front.state import Action, Backoff, Event, State, step
+from agent.front.state import Action, Event, Mode, State, step
 from agent.net import auth, counters
 from agent.net.answers import Answer
 from agent.net.http import RequestHead
@@ -45,6 +47,15 @@ from agent.worker.control import StartFailed, WorkerControl
 FIRST_REQUEST_GRACE_S = 5.0
 
 Notify = Callable[[str], object]
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What the start task reports with STARTED or START_FAILED."""
+
+    took_s: float
+    tail: tuple[str, ...] = ()  # the worker's last output lines, for the journal
+    extra: dict[str, object] = field(default_factory=dict)  # more JSON for the 503
 
 
 class _Lease:
@@ -148,6 +159,7 @@ class Front:
         self.worker = worker
         self.listeners = listeners
         self.exit_on_idle = exit_on_idle  # systemd: exit when idle; foreground: stop the worker
+        self.mode = Mode.ACTIVATED if exit_on_idle else Mode.FOREGROUND
         self.notify = notify
         self.log = log or logging.getLogger(f"providerd.{provider.slug}")
         self.admission = admission or Admission()
@@ -156,7 +168,7 @@ class Front:
         self.in_flight = 0
         self.fresh = 0  # connections whose first request has not arrived yet
         self._idle_due = False  # the idle deadline passed while `fresh` connections waited
-        self.waiters: list[asyncio.Future[None]] = []
+        self.waiters: list[asyncio.Future[bool]] = []  # True: go on; False: demand again
         # Requests to the worker at once ([runtime] max_concurrency) and its kept connections.
         self.upstream = Upstream(
             provider.max_concurrency,
@@ -178,8 +190,7 @@ class Front:
         self.failure: str | None = None
         self.failure_extra: dict[str, object] = {}  # more JSON for the 503 (GPU holders)
         self.last_exit: tuple[int, str] | None = None  # (generation, why) of the last lost worker
-        self.backoff = Backoff()
-        self.backoff_until = 0.0
+        self.backoff = saved_backoff.Backoff()
         self.done = asyncio.Event()  # set when the front has released everything and should exit
         self.counters = counters.load(provider.slug, self.log)  # where the last front left off
         self.request_gate = Gate(provider, keys, lambda: self.state)  # API keys, the model list
@@ -203,11 +214,13 @@ class Front:
         self._backoff_timer: asyncio.TimerHandle | None = None
         self._connections: set[asyncio.Task[None]] = set()  # TCP relays
         self._background: set[asyncio.Task[None]] = set()
-        self._start_began = 0.0
         self._start_cause = ""
-        self._release_reason = ""
-        self._stopped = asyncio.Event()
+        self._starting: asyncio.Task[None] | None = None  # the start under way, if any
+        self._stopped = asyncio.Event()  # set while no worker runs and nothing is reserved
         self._stopped.set()
+        self._drained = asyncio.Event()  # set while nothing is in flight
+        self._drained.set()
+        self._worker_news = asyncio.Event()  # replaced and set when a worker exits or starts
         worker.on_exit(self._worker_exited)
 
     # ------------------------------------------------------------------ accepting
@@ -247,6 +260,7 @@ class Front:
 
     def _lease_begin(self) -> None:
         self.in_flight += 1
+        self._drained.clear()
         self._idle_due = False
         if self._idle_timer is not None:
             self._idle_timer.cancel()
@@ -260,6 +274,7 @@ class Front:
         self._flush_soon()
         self.last_used = time.time()
         if self.in_flight == 0:
+            self._drained.set()
             self._arm_idle()
         self._update_status()
 
@@ -280,20 +295,16 @@ class Front:
             self._idle()
 
     def _idle(self) -> None:
+        """The idle deadline: the table decides what idle means in this state and mode."""
         self._idle_timer = None
-        if self.in_flight or self.waiters or self.state == State.STARTING:
+        if self.in_flight or self.waiters:
             return
         if self.fresh:
             self._idle_due = True  # decide once those connections have sent a request, or not
             return
         self._idle_due = False
         idle_s = self.provider.idle_timeout_s
-        if self.state == State.READY:
-            self.counters.count_idle_release()
-        if self.exit_on_idle:
-            self.release(f"Idle for {idle_s:g} s, releasing the worker")
-        elif self.state == State.READY:
-            self._dispatch(Event.RELEASE, f"Idle for {idle_s:g} s, releasing the worker")
+        self._dispatch(Event.IDLE, f"Idle for {idle_s:g} s, releasing the worker")
 
     # ------------------------------------------------------------------ the worker
 
@@ -303,39 +314,49 @@ class Front:
         if len(self.waiters) + self.upstream.waiting >= self.provider.max_held:
             self.counters.count_refused("too_many_waiting")
             raise too_many_waiting(self.provider.max_held)
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiters.append(future)
-        self._dispatch(Event.DEMAND, cause)
-        try:
-            await asyncio.shield(future)
-        except Unavailable:
-            if cause == "request":
-                gpu = "holders" in self.failure_extra
-                self.counters.count_refused("gpu_unavailable" if gpu else "start_failed")
-            raise
-        finally:
-            if future in self.waiters:
-                self.waiters.remove(future)
-        return self.address, self.generation
+        loop = asyncio.get_running_loop()
+        while True:  # once more each time the worker stopped under the wait (RETRY_WAITERS)
+            future: asyncio.Future[bool] = loop.create_future()
+            self.waiters.append(future)
+            try:
+                self._dispatch(Event.DEMAND, cause)
+                served = await asyncio.shield(future)
+            except Unavailable:
+                if cause == "request":
+                    gpu = "holders" in self.failure_extra
+                    self.counters.count_refused("gpu_unavailable" if gpu else "start_failed")
+                raise
+            finally:
+                if future in self.waiters:
+                    self.waiters.remove(future)
+            if served:
+                return self.address, self.generation
 
     async def worker_gone(self, generation: int, wait_s: float = 1.0) -> str | None:
         """Why worker `generation` went away, once its exit is known (waits up to `wait_s`):
         a request it dropped is answered with the cause, an OOM kill for instance."""
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if self.last_exit is not None and self.last_exit[0] == generation:
-                return self.last_exit[1]
-            if self.generation != generation:
-                return None  # a newer worker runs: this one was released, not lost
-            await asyncio.sleep(0.02)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                while True:
+                    news = self._worker_news
+                    if self.last_exit is not None and self.last_exit[0] == generation:
+                        return self.last_exit[1]
+                    if self.generation != generation:
+                        return None  # a newer worker runs: this one was released, not lost
+                    await news.wait()
         return None
+
+    def _tell_worker_news(self) -> None:
+        """Wake `worker_gone` waiters: a worker exited, or a new one started."""
+        news, self._worker_news = self._worker_news, asyncio.Event()
+        news.set()
 
     def warm(self, cause: str = "warm") -> None:
         """Start the worker with no request (`providerctl warm`, an activation)."""
         self._dispatch(Event.DEMAND, cause)
 
     def _unavailable(self) -> Unavailable:
-        retry = max(1.0, self.backoff_until - time.monotonic())
+        retry = max(1.0, self.backoff.left())
         gpu = "holders" in self.failure_extra
         return Unavailable(
             503,
@@ -349,53 +370,114 @@ class Front:
         """Stop the worker now (over its VRAM budget, say); the next request starts it again."""
         self._dispatch(Event.RELEASE, reason)
 
-    def _dispatch(self, event: Event, cause: str = "") -> None:
-        old = self.state
-        self.state, actions = step(old, event)
-        for action in actions:
-            if action == Action.START_WORKER:
-                self._start_cause = cause
-                self._spawn(self._start_worker())
-            elif action == Action.STOP_WORKER:
-                self._release_reason = cause
-                self._spawn(self._stop_worker())
-            elif action == Action.WAKE_WAITERS:
-                for future in self.waiters:
-                    if not future.done():
-                        future.set_result(None)
-                self.waiters.clear()
-            elif action == Action.FAIL_WAITERS:
-                error = self._unavailable()
-                for future in self.waiters:
-                    if not future.done():
-                        future.set_exception(error)
-                        future.exception()  # retrieved here; the waiter re-raises it
-                self.waiters.clear()
-            elif action == Action.ARM_BACKOFF:
-                self.failure = cause
-                delay = self.backoff.next_delay()
-                self.backoff_until = time.monotonic() + delay
-                if self._backoff_timer is not None:
-                    self._backoff_timer.cancel()
-                self._backoff_timer = asyncio.get_running_loop().call_later(
-                    delay, self._dispatch, Event.BACKOFF_OVER, "backoff over"
-                )
-                self._save_backoff()
-            elif action == Action.RESET_BACKOFF:
-                self.backoff.reset()
-                self.failure = None
-                self.failure_extra = {}
-                self._save_backoff()
-            elif action == Action.ARM_IDLE and self.in_flight == 0:
-                self._arm_idle()
-        if self.state == State.IDLE and self.waiters and self.listening.accepting:
-            self._dispatch(Event.DEMAND, "request")  # demands that waited out a stop
+    def _dispatch(self, event: Event, cause: str = "", outcome: _Outcome | None = None) -> None:
+        """The one writer of the state: the table's step for `event`, then its actions."""
+        self.state, actions = step(self.state, event, self.mode)
+        self._perform(actions, cause, outcome)
         self._update_status()
 
+    def _perform(self, actions: Sequence[Action], cause: str, outcome: _Outcome | None) -> None:
+        """Do `actions` in order: now, up to the first that waits; the rest once it is done."""
+        for i, action in enumerate(actions):
+            waiting = self._act(action, cause, outcome)
+            if waiting is not None:
+                self._spawn(self._then(waiting, actions[i + 1 :], cause, outcome))
+                return
+
+    async def _then(
+        self,
+        waiting: Coroutine[Any, Any, None],
+        actions: Sequence[Action],
+        cause: str,
+        outcome: _Outcome | None,
+    ) -> None:
+        await waiting
+        self._perform(actions, cause, outcome)
+
+    def _act(
+        self, action: Action, cause: str, outcome: _Outcome | None
+    ) -> Coroutine[Any, Any, None] | None:
+        """One action of the table; an action that waits returns what to wait for."""
+        if action == Action.START_WORKER:
+            self._start_cause = cause
+            self._stopped.clear()
+            self._starting = self._spawn(self._start_worker())
+        elif action == Action.STOP_WORKER:
+            if cause:
+                self.log.info("%s", cause)
+            return self._stop_worker()
+        elif action == Action.GIVE_BACK:
+            return self._give_back()
+        elif action == Action.WATCH:
+            return self.admission.started(self)
+        elif action == Action.NOTE_READY:
+            self._note_ready(outcome.took_s if outcome else 0.0)
+        elif action in (Action.WAKE_WAITERS, Action.RETRY_WAITERS):
+            for future in self.waiters:
+                if not future.done():
+                    future.set_result(action == Action.WAKE_WAITERS)
+            self.waiters.clear()
+        elif action == Action.FAIL_WAITERS:
+            error = self._unavailable()
+            for future in self.waiters:
+                if not future.done():
+                    future.set_exception(error)
+                    future.exception()  # retrieved here; the waiter re-raises it
+            self.waiters.clear()
+        elif action == Action.ARM_BACKOFF:
+            self.failure = cause
+            self.failure_extra = dict(outcome.extra) if outcome else {}
+            self._arm_backoff(self.backoff.next_delay())
+            self._save_backoff()
+        elif action == Action.RESUME_BACKOFF:
+            left = self.backoff.left()
+            self._arm_backoff(left)
+            self.log.info(
+                "Worker unavailable after %d failed start(s) (%s); refusing requests for %.1f s more",
+                self.backoff.failures,
+                cause,
+                left,
+            )
+        elif action == Action.RESET_BACKOFF:
+            self.backoff.reset()
+            self.failure = None
+            self.failure_extra = {}
+            self._save_backoff()
+        elif action == Action.REPORT_START_FAILURE:
+            self.log.error(
+                "Failed to start worker: %s; refusing requests for %g s%s",
+                cause,
+                self.backoff.last_s,
+                "".join(f"\n  {line}" for line in (outcome.tail if outcome else ())),
+            )
+        elif action == Action.REPORT_EXIT:
+            self.log.error("Worker exited unexpectedly: %s", cause)
+        elif action == Action.ARM_IDLE and self.in_flight == 0:
+            self._arm_idle()
+        elif action == Action.COUNT_IDLE:
+            self.counters.count_idle_release()
+        elif action == Action.COUNT_RETIREMENT:
+            self.counters.count_retirement()
+        elif action == Action.LEAVE:
+            # Decided now, in this turn of the loop: nothing may be handed the worker after this.
+            self.stop_accepting()
+            self.notify(f"STOPPING=1\nSTATUS={cause}")
+            self._spawn(self._leave())
+        elif action == Action.LOG_CAUSE:
+            self.log.info("%s", cause)
+        return None
+
+    def _arm_backoff(self, delay: float) -> None:
+        if self._backoff_timer is not None:
+            self._backoff_timer.cancel()
+        self._backoff_timer = asyncio.get_running_loop().call_later(
+            delay, self._dispatch, Event.BACKOFF_OVER, "backoff over"
+        )
+
     async def _start_worker(self) -> None:
+        """The start task: reports STARTED or START_FAILED. A release cancels it."""
         loop = asyncio.get_running_loop()
-        self._start_began = loop.time()
-        self._stopped.clear()
+        began = loop.time()
         waiting = len(self.waiters)
         cause = (
             f"on {self._start_cause}"
@@ -418,7 +500,7 @@ class Front:
                 self.worker.start(env, devices), self.provider.start_timeout_s + 60
             )
         except Exception as e:  # any failure fails the start: held requests get a 503, never a hang
-            took = loop.time() - self._start_began
+            took = loop.time() - began
             if isinstance(e, (StartFailed, Unavailable, TimeoutError, OSError)):
                 reason, tail = _describe_failure(e, self.provider.start_timeout_s)
             else:  # a bug, or the bus: the details are for the journal, not for clients
@@ -432,39 +514,23 @@ class Front:
             self._record_preload()
             self.counters.count_start_failure()
             self._flush()
-            if self.state != State.STARTING:
-                return  # released while starting: the stop reports
-            delay = min(self.backoff.cap_s, self.backoff.first_s * 2**self.backoff.failures)
-            self.log.error(
-                "Failed to start worker: %s; refusing requests for %g s%s",
-                reason,
-                delay,
-                "".join(f"\n  {line}" for line in tail),
-            )
-            await self.admission.released(self)
-            self._stopped.set()
             body = getattr(e, "body", None)
+            extra: dict[str, object] = {}
             if isinstance(body, dict):
                 reason = str(body.get("message", reason))
-                self.failure_extra = {
-                    k: v for k, v in body.items() if k not in ("error", "message")
-                }
-            else:
-                self.failure_extra = {}
-            self._dispatch(Event.START_FAILED, reason)
+                extra = {k: v for k, v in body.items() if k not in ("error", "message")}
+            self._dispatch(Event.START_FAILED, reason, _Outcome(took, tuple(tail), extra))
             return
-        if self.state != State.STARTING:
-            await self.worker.stop()  # released while it started
-            return
-        took = loop.time() - self._start_began
+        self._dispatch(Event.STARTED, outcome=_Outcome(loop.time() - began))
+
+    def _note_ready(self, took: float) -> None:
         self.generation += 1
+        self._tell_worker_news()
         self.last_start = {"at": time.time(), "took_s": round(took, 3), "result": "ready"}
         self._record_preload()
         self.counters.count_start(took)
         self._flush()
         self.log.info("Worker ready after %.1f s", took)
-        self._dispatch(Event.STARTED)
-        self._spawn(self.admission.started(self))
 
     def _flush_soon(self) -> None:
         if self._flush_timer is None:
@@ -482,24 +548,29 @@ class Front:
             preload.record(self.provider.slug, self.last_start, self.log)
 
     async def _stop_worker(self) -> None:
-        began = asyncio.get_running_loop().time()
-        if self._release_reason:
-            self.log.info("%s", self._release_reason)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        start = self._starting
+        if start is not None and not start.done():
+            start.cancel()  # released while it started: the start ends here, the stop reports
+            await asyncio.wait({start})
         await self.worker.stop()
         self.upstream.clear()
         await self.admission.released(self)
-        self.log.info("Worker stopped after %.1f s", asyncio.get_running_loop().time() - began)
+        self.log.info("Worker stopped after %.1f s", loop.time() - began)
         self._flush()
         self._stopped.set()
         self._dispatch(Event.STOPPED)
 
+    async def _give_back(self) -> None:
+        """No worker after a failure: what admission reserved goes back."""
+        await self.admission.released(self)
+        self._stopped.set()
+
     def _worker_exited(self, reason: str) -> None:
         self.last_exit = (self.generation, reason)
         self.upstream.clear()
-        if self.state == State.READY:
-            self.log.error("Worker exited unexpectedly: %s", reason)
-            self._spawn(self.admission.released(self))
-            self._stopped.set()
+        self._tell_worker_news()
         self._dispatch(Event.WORKER_EXITED, reason)
 
     def _save_backoff(self) -> None:
@@ -509,7 +580,7 @@ class Front:
             if self.backoff.failures:
                 saved = saved_backoff.Saved(
                     self.backoff.failures,
-                    self.backoff_until,
+                    self.backoff.until,
                     self.failure or "start failed",
                     saved_backoff.manifest_key(self.provider),
                 )
@@ -521,30 +592,17 @@ class Front:
 
     def restore_backoff(self, saved: saved_backoff.Saved) -> None:
         """Go on with an earlier front's backoff (before accepting): refuse until it runs out."""
-        self.backoff.failures = saved.failures
         self.failure = saved.reason
-        left = saved.until - time.monotonic()
-        if left <= 0:
-            return  # over: the next demand starts the worker
-        self.state = State.BACKOFF
-        self.backoff_until = saved.until
-        self._backoff_timer = asyncio.get_running_loop().call_later(
-            left, self._dispatch, Event.BACKOFF_OVER, "backoff over"
-        )
-        self.log.info(
-            "Worker unavailable after %d failed start(s) (%s); refusing requests for %.1f s more",
-            saved.failures,
-            saved.reason,
-            left,
-        )
-        self._update_status()
+        if self.backoff.resume(saved) > 0:  # else over: the next demand starts the worker
+            self._dispatch(Event.BACKOFF_RESUMED, saved.reason)
 
     # ------------------------------------------------------------------ control
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background_done)
+        return task
 
     def _background_done(self, task: asyncio.Task[None]) -> None:
         self._background.discard(task)
@@ -552,18 +610,8 @@ class Front:
             what = getattr(task.get_coro(), "__qualname__", "a background task")
             self.log.error("Failed to finish %s", what, exc_info=task.exception())
 
-    def release(self, reason: str) -> None:
-        """Let go for good (systemd mode): stop accepting, say STOPPING, stop the worker, exit."""
-        self.stop_accepting()
-        self.notify(f"STOPPING=1\nSTATUS={reason}")
-        # Decided now, in this turn of the loop: nothing may be handed the worker after this.
-        if self.state in (State.READY, State.STARTING):
-            self._dispatch(Event.RELEASE, reason)
-        else:
-            self.log.info("%s", reason)
-        self._spawn(self._release())
-
-    async def _release(self) -> None:
+    async def _leave(self) -> None:
+        """The end of an activated front: once the worker is gone, close up and exit."""
         await self._stopped.wait()
         for task in list(self._connections):
             task.cancel()
@@ -576,17 +624,12 @@ class Front:
         """Release now, letting requests in flight finish within `grace_s`."""
         if self.in_flight:
             self.log.info("Stopping: waiting up to %g s for %d request(s)", grace_s, self.in_flight)
-            deadline = time.monotonic() + grace_s
-            while self.in_flight and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), grace_s)
         cut = self.in_flight
         reason = "Stopping on request" + (f", cutting {cut} request(s)" if cut else "")
-        if self.exit_on_idle:
-            self.release(reason)
-            await self.done.wait()
-        elif self.state in (State.READY, State.STARTING):
-            self._dispatch(Event.RELEASE, reason)
-            await self._stopped.wait()
+        self._dispatch(Event.STOP, reason)
+        await (self.done if self.mode == Mode.ACTIVATED else self._stopped).wait()
         self._flush()
         return {"stopped": True, "cut": cut}
 
@@ -597,14 +640,7 @@ class Front:
             return {"retired": False, "busy": busy}
         if self.provider.pinned:
             return {"retired": False, "busy": 0, "pinned": True}
-        if self.state not in (State.READY, State.STARTING):
-            return {"retired": True}
-        reason = "Retiring the worker to make room on the GPU"
-        self.counters.count_retirement()
-        if self.exit_on_idle:
-            self.release(reason)
-        else:
-            self._dispatch(Event.RELEASE, reason)
+        self._dispatch(Event.RETIRE, "Retiring the worker to make room on the GPU")
         await self._stopped.wait()
         return {"retired": True}
 
@@ -617,8 +653,8 @@ class Front:
             try:
                 await self.ready("warm")
             except Unavailable as e:
-                return {"state": self.state.value, "error": e.error}
-            return {"state": self.state.value, "error": None}
+                return {"state": self.state.shown, "error": e.error}
+            return {"state": self.state.shown, "error": None}
         if op == "stop":
             return await self.stop(float(request.get("grace_s", self.provider.stop_timeout_s)))
         if op == "retire":
@@ -647,14 +683,14 @@ class Front:
             idle_for = round(time.time() - self.last_used, 1)
         retry = None
         if self.state == State.BACKOFF:
-            retry = round(max(0.0, self.backoff_until - time.monotonic()), 1)
+            retry = round(self.backoff.left(), 1)
         try:
             memory = await asyncio.wait_for(self.worker.memory(), 2)
         except Exception:
             memory = {"current": None, "max": None}
         return {
             "slug": self.provider.slug,
-            "state": self.state.value,
+            "state": self.state.shown,
             "in_flight": self.in_flight,
             "waiting": len(self.waiters) + self.upstream.waiting,
             "to_worker": self.upstream.in_use,
@@ -677,7 +713,7 @@ class Front:
             text = f"Loading the worker, {len(self.waiters)} request(s) waiting"
         elif self.state == State.BACKOFF:
             text = f"Worker unavailable ({self.failure}); next try after the backoff"
-        elif self.state == State.STOPPING:
+        elif self.state in (State.STOPPING, State.LEAVING):
             text = "Releasing the worker"
         else:
             text = "Idle, worker not running"

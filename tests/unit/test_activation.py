@@ -187,7 +187,7 @@ def test_a_failed_start_is_saved_and_a_good_one_clears_it(runtime: Path) -> None
         await get(sock.getsockname()[1])
         saved = saved_backoff.load(path, provider())
         w.fail = None
-        front.backoff_until = 0
+        front.backoff.until = 0
         front._dispatch(front_event("BACKOFF_OVER"))
         await get(sock.getsockname()[1])
         cleared = not path.exists()
