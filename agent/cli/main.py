@@ -281,6 +281,10 @@ def cmd_warm(args: argparse.Namespace) -> int:
         result = subprocess.run(["systemctl", "start", f"provider@{slug}.service"], check=False)
         if result.returncode != 0:
             return fail(f"failed to start provider@{slug}.service")
+        # Polling is the only way here: the control socket is the front's (another
+        # process), which creates it just after READY=1, the point where `systemctl
+        # start` returns, and the standard library has nothing (no inotify) to wait on
+        # for a file to appear.
         for _ in range(100):
             if sock.is_socket():
                 break

@@ -153,6 +153,9 @@ async def gpu_lock(runtime_dir: Path, timeout_s: float) -> AsyncIterator[None]:
     fd = os.open(runtime_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         deadline = time.monotonic() + timeout_s
+        # Polling is the only way here: the lock is another front's (another process),
+        # Linux tells no one when a flock is let go, and a blocking flock would stop the
+        # loop (or hold a thread that cannot be cancelled at the deadline).
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -261,6 +264,9 @@ async def admit(
         if isinstance(outcome, Refusal):
             if outcome.permanent or time.monotonic() >= deadline:
                 raise AdmissionRefused(outcome)
+            # Polling is the only way here: what frees the memory is another process (a
+            # request ending in another front, a process outside providerd), and NVML
+            # sends no event when memory is freed.
             await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
             continue
         admitted, now_retired, waited = outcome
@@ -347,6 +353,8 @@ async def _wait_freed(
     the free memory expected once the retired providers' share is back.
     """
     start = time.monotonic()
+    # Polling is the only way here: the retired worker was another process, its memory
+    # is freed by the driver some time after it has gone, and NVML sends no event then.
     while True:
         cards, _ = _effective_cards(nvml, provider.slug, rt, proc)
         plan = plan_admission(provider, need, cards, holders, headroom)
