@@ -17,6 +17,7 @@ import stat
 import sys
 from pathlib import Path
 
+from agent import signals
 from agent.front.front import Front, admission_for
 from agent.net import rpc
 from agent.router.router import Router, RouterError, close_foreground, foreground
@@ -142,9 +143,17 @@ async def serve(providers: list[Provider]) -> int:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    with signals.handling(loop, {signal.SIGINT: stop.set, signal.SIGTERM: stop.set}):
+        await stop.wait()
+        await _stop(fronts, servers, router)
+    log.info("Stopped")
+    return 0
+
+
+async def _stop(
+    fronts: list[Front], servers: list[asyncio.AbstractServer], router: Router | None
+) -> None:
+    """Stop every provider (a second Ctrl-C while this runs changes nothing)."""
     log.info("Stopping %d provider(s)", len(fronts))
     if router is not None:
         await close_foreground(router)
@@ -159,5 +168,3 @@ async def serve(providers: list[Provider]) -> int:
             if address.path is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(address.path)
-    log.info("Stopped")
-    return 0

@@ -749,6 +749,7 @@ async def run_systemd(slug: str) -> int:
     """
     import signal
 
+    from agent import signals
     from agent.net import rpc
     from agent.spec import paths
     from agent.spec.manifest import ManifestError, load
@@ -799,8 +800,11 @@ async def run_systemd(slug: str) -> int:
     server = await rpc.serve(paths.control_socket(slug), front.handle)
     loop = asyncio.get_running_loop()
     grace = provider.stop_timeout_s
-    loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(front.stop(grace)))
-    await front.done.wait()
+    stopping: set[asyncio.Task[dict[str, Any]]] = set()
+    with signals.handling(
+        loop, {signal.SIGTERM: lambda: stopping.add(loop.create_task(front.stop(grace)))}
+    ):
+        await front.done.wait()
     server.close()
     bus.close()
     return 0

@@ -14,7 +14,7 @@ import pytest
 AGENT = Path(__file__).resolve().parents[2] / "agent"
 
 LAYERS: list[set[str]] = [
-    {"log", "demo", "errors", "_vendor"},
+    {"log", "demo", "errors", "signals", "_vendor"},
     {"spec"},
     {"systemd"},
     {"net"},
