@@ -120,3 +120,35 @@ def test_device_rules_marshal_as_dbus_structs() -> None:
         body=[UNIT, True, body],
     )
     assert message._marshall()  # what the bus would receive
+
+
+class BrokenWatch(FakeSystemd):
+    """A bus on which subscribing to the unit's changes fails, after a start went its way."""
+
+    def __init__(self, start_error: Exception | None) -> None:
+        super().__init__()
+        self.start_error = start_error
+
+    async def watch(self, name: str, callback: object) -> None:
+        await asyncio.sleep(0.01)
+        raise RuntimeError("org.freedesktop.DBus.Error.LimitsExceeded: too many matches")
+
+    async def start_unit(self, name: str) -> str:
+        if self.start_error is not None:
+            raise self.start_error
+        return await super().start_unit(name)
+
+
+def test_a_failing_watch_does_not_hide_the_starts_own_failure() -> None:
+    fake = BrokenWatch(StartFailed("worker did not become ready within 5 s"))
+    worker = SystemdWorker(fake, "demo", start_timeout_s=5)
+    with pytest.raises(StartFailed, match="within 5 s"):
+        asyncio.run(worker.start({}, None))
+    assert worker._watching is False  # the next start tries to watch again
+
+
+def test_a_failing_watch_after_a_good_start_is_still_reported() -> None:
+    fake = BrokenWatch(None)
+    worker = SystemdWorker(fake, "demo", start_timeout_s=5)
+    with pytest.raises(RuntimeError, match="LimitsExceeded"):
+        asyncio.run(worker.start({}, None))
