@@ -208,8 +208,10 @@ def plan_admission(
         return Plan(Placement(chosen), (), want)
 
     wanted = {c.uuid for c in candidates}
+    on_cards = [h for h in holders if wanted.intersection(h.gpus)]
+    why = {h.slug: kept_because(provider, h) for h in on_cards}  # once per holder
     idle = sorted(
-        (h for h in holders if wanted.intersection(h.gpus) and kept_because(provider, h) is None),
+        (h for h in on_cards if why[h.slug] is None),
         key=lambda h: (h.priority, h.last_used, h.slug),
     )
     projected = dict(free)
@@ -223,14 +225,13 @@ def plan_admission(
         if chosen is not None:
             return Plan(Placement(chosen), _prune(taken, chosen, free, want), want)
 
-    on_cards = [h for h in holders if wanted.intersection(h.gpus)]
     kept = tuple(
-        (h.slug, why)
+        (h.slug, reason)
         for h in sorted(on_cards, key=lambda h: h.slug)
-        if (why := kept_because(provider, h)) is not None
+        if (reason := why[h.slug]) is not None
     )
     return Refusal(
-        _busy_message(provider, want, candidates, on_cards), _summary(on_cards), kept=kept
+        _busy_message(provider, want, candidates, on_cards, why), _summary(on_cards), kept=kept
     )
 
 
@@ -267,12 +268,16 @@ def _summary(holders: Sequence[Holder]) -> tuple[tuple[str, int], ...]:
 
 
 def _busy_message(
-    provider: Provider, want: int, candidates: Sequence[Card], holders: Sequence[Holder]
+    provider: Provider,
+    want: int,
+    candidates: Sequence[Card],
+    holders: Sequence[Holder],
+    why: Mapping[str, str | None],
 ) -> str:
     parts = []
     for c in candidates:
         on = [h for h in holders if c.uuid in h.gpus]
-        who = ", ".join(f"{h.slug} ({kept_because(provider, h) or 'idle'})" for h in on)
+        who = ", ".join(f"{h.slug} ({why[h.slug] or 'idle'})" for h in on)
         parts.append(
             f"GPU {c.index} has {format_bytes(c.free)} free"
             + (f", held by {who}" if who else ", used by processes outside providerd")

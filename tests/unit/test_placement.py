@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from agent.gpu.nvml import GIB, Card
 from agent.gpu.placement import (
     Holder,
@@ -173,6 +175,32 @@ def test_a_refusal_says_why_each_holder_was_kept() -> None:
         "small": None,
     }
     assert "small (idle)" in plan.message
+
+
+def test_each_holder_is_judged_once_per_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why a holder is kept is decided once, and the plan, the message and the 503's
+    body all say the same thing."""
+    from agent.gpu import placement
+
+    asked: list[str] = []
+    real = placement.kept_because
+
+    def counting(p: Provider, h: Holder) -> str | None:
+        asked.append(h.slug)
+        return real(p, h)
+
+    monkeypatch.setattr(placement, "kept_because", counting)
+    holders = [
+        Holder("busy", ("GPU-0000", "GPU-0001"), 20 * GIB, 2, 0.0),
+        held("pin", 20, pinned=True),
+        held("small", 1),
+        holder("elsewhere", 7, 20),  # on a card this provider cannot use: not judged
+    ]
+    plan = plan_admission(provider(gpu_count=2), 60 * GIB, [card(0, 1), card(1, 1)], holders, 0)
+    assert isinstance(plan, Refusal)
+    assert sorted(asked) == ["busy", "pin", "small"]
+    assert plan.message.count("busy (busy, 2 in flight)") == 2  # named on both its cards
+    assert plan.kept == (("busy", "busy, 2 in flight"), ("pin", "pinned"))
 
 
 def test_refuses_naming_the_holders_when_only_busy_ones_could_make_room() -> None:
