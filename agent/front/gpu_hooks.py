@@ -21,7 +21,6 @@ from agent.front.hooks import Admission, Host
 from agent.gpu.admission import (
     DEFAULT_HEADROOM,
     AdmissionRefused,
-    Admitted,
     ControlPeers,
     Peers,
     admit,
@@ -30,6 +29,7 @@ from agent.gpu.admission import (
 from agent.gpu.footprint import Footprints
 from agent.gpu.nvml import Nvml, NvmlUnavailable, open_nvml
 from agent.gpu.placement import Refusal, budget_bytes, device_allow, worker_env
+from agent.gpu.reservations import Admitted
 from agent.gpu.vram import Overage, VramSampler
 from agent.spec import paths
 from agent.spec.provider import Provider

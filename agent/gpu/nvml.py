@@ -366,7 +366,7 @@ class DirNvml:
 def gpu_status(nvml: Nvml, reservations: Sequence[Any] = ()) -> list[dict[str, Any]]:
     """Card-level facts for `providerctl status`: one dict per card.
 
-    `reservations` are `agent.gpu.admission.Reservation`-like objects (`slug`,
+    `reservations` are `agent.gpu.reservations.Reservation`-like objects (`slug`,
     `cards`, `need_bytes`) read from the runtime directory; they say which
     provider holds or is starting on which card.
     """

@@ -492,6 +492,7 @@ def test_export_reads_only_the_spec_side() -> None:
         "agent.front.front", "agent.net.proxy", "agent.net.http", "agent.router.router", "agent.net.sockio",
         "agent.net.listeners", "agent.gpu.nvml", "agent.gpu.placement", "agent.gpu.admission",
         "agent.front.gpu_hooks", "agent.gpu.vram", "agent.worker.control", "agent.worker.wrapper",
+        "agent.gpu.reservations",
     }  # fmt: skip
     assert not forbidden & set(loaded), loaded
     assert "agent.spec.manifest" in loaded

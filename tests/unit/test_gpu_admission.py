@@ -18,16 +18,14 @@ from agent.front.gpu_hooks import GpuAdmission
 from agent.gpu.admission import (
     AdmissionRefused,
     ControlPeers,
-    Reservation,
     admit,
     cards_status,
-    gpu_lock,
     holder_from_status,
-    read_reservations,
 )
 from agent.gpu.footprint import Footprints
 from agent.gpu.nvml import GIB, FakeCard, FakeNvml
 from agent.gpu.placement import Holder
+from agent.gpu.reservations import Reservation, gpu_lock, read_reservations
 from agent.net import rpc
 from agent.spec.provider import Provider
 
