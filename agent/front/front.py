@@ -391,8 +391,10 @@ class Front:
         cause: str,
         outcome: _Outcome | None,
     ) -> None:
-        await waiting
-        self._perform(actions, cause, outcome)
+        try:
+            await waiting
+        finally:  # a hook that fails must not leave held requests waiting for ever
+            self._perform(actions, cause, outcome)
 
     def _act(
         self, action: Action, cause: str, outcome: _Outcome | None
@@ -564,8 +566,10 @@ class Front:
 
     async def _give_back(self) -> None:
         """No worker after a failure: what admission reserved goes back."""
-        await self.admission.released(self)
-        self._stopped.set()
+        try:
+            await self.admission.released(self)
+        finally:
+            self._stopped.set()
 
     def _worker_exited(self, reason: str) -> None:
         self.last_exit = (self.generation, reason)

@@ -82,7 +82,7 @@ class Action(enum.Enum):
 S, E, A = State, Event, Action
 
 _NOTHING: tuple[Action, ...] = ()
-_FAIL = (A.ARM_BACKOFF, A.REPORT_START_FAILURE, A.FAIL_WAITERS, A.GIVE_BACK)
+_FAIL = (A.ARM_BACKOFF, A.REPORT_START_FAILURE, A.GIVE_BACK, A.FAIL_WAITERS)
 _CRASH = (A.REPORT_EXIT, A.ARM_BACKOFF, A.FAIL_WAITERS, A.GIVE_BACK)
 
 # Pairs that do something, in the foreground; every other pair changes nothing.

@@ -159,3 +159,25 @@ def test_an_activated_front_that_leaves_starts_no_worker_again() -> None:
     answer, state, starts, done, shown = asyncio.run(go())
     assert answer == {"stopped": True, "cut": 0}
     assert (state, starts, done, shown) == (State.LEAVING, 1, True, "stopping")
+
+
+def test_a_hook_that_fails_after_a_failed_start_still_answers_the_held_requests() -> None:
+    from agent.front.hooks import Admission, Host
+
+    class Broken(Admission):
+        async def released(self, host: Host) -> None:
+            raise RuntimeError("the reservation could not be removed")
+
+    async def go() -> tuple[bytes, bool]:
+        sock = listener()
+        worker = InProcessWorker(fail="worker failed to start: status 3")
+        front = Front(provider(), worker, [sock], exit_on_idle=False, admission=Broken())
+        front.start_accepting()
+        answer = await asyncio.wait_for(get(sock.getsockname()[1]), 5)
+        stopped = front._stopped.is_set()  # a leave or a retire would not wait for ever
+        await shutdown(front, worker)
+        return answer, stopped
+
+    answer, stopped = asyncio.run(go())
+    assert answer.startswith(b"HTTP/1.1 503") and b"status 3" in answer, answer
+    assert stopped

@@ -9,7 +9,8 @@ from agent.front.backoff import Backoff
 from agent.front.state import TABLE, TABLES, Action, Event, Mode, State, step
 
 S, E, A = State, Event, Action
-FAIL = (A.ARM_BACKOFF, A.REPORT_START_FAILURE, A.FAIL_WAITERS, A.GIVE_BACK)
+# What was reserved goes back before the held requests hear of the failure.
+FAIL = (A.ARM_BACKOFF, A.REPORT_START_FAILURE, A.GIVE_BACK, A.FAIL_WAITERS)
 
 FOREGROUND = {
     (S.IDLE, E.DEMAND): (S.STARTING, (A.START_WORKER,)),
