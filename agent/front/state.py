@@ -100,7 +100,8 @@ _FOREGROUND: dict[tuple[State, Event], tuple[State, tuple[Action, ...]]] = {
     (S.STARTING, E.RELEASE): (S.STOPPING, (A.STOP_WORKER,)),
     (S.STARTING, E.STOP): (S.STOPPING, (A.STOP_WORKER,)),
     (S.STARTING, E.RETIRE): (S.STOPPING, (A.COUNT_RETIREMENT, A.STOP_WORKER)),
-    # ready: requests flow
+    # ready: requests flow (a demand here is answered at once, whoever asks)
+    (S.READY, E.DEMAND): (S.READY, (A.WAKE_WAITERS,)),
     (S.READY, E.WORKER_EXITED): (S.BACKOFF, _CRASH),
     (S.READY, E.RELEASE): (S.STOPPING, (A.STOP_WORKER,)),
     (S.READY, E.IDLE): (S.STOPPING, (A.COUNT_IDLE, A.STOP_WORKER)),
