@@ -164,7 +164,7 @@ class Front:
         self.log = log or logging.getLogger(f"providerd.{provider.slug}")
         self.admission = admission or Admission()
 
-        self.state = State.IDLE
+        self._state = State.IDLE  # written by _dispatch alone
         self.in_flight = 0
         self.fresh = 0  # connections whose first request has not arrived yet
         self._idle_due = False  # the idle deadline passed while `fresh` connections waited
@@ -222,6 +222,11 @@ class Front:
         self._drained.set()
         self._worker_news = asyncio.Event()  # replaced and set when a worker exits or starts
         worker.on_exit(self._worker_exited)
+
+    @property
+    def state(self) -> State:
+        """The provider's state (read-only: `_dispatch` is its one writer)."""
+        return self._state
 
     # ------------------------------------------------------------------ accepting
 
@@ -372,7 +377,7 @@ class Front:
 
     def _dispatch(self, event: Event, cause: str = "", outcome: _Outcome | None = None) -> None:
         """The one writer of the state: the table's step for `event`, then its actions."""
-        self.state, actions = step(self.state, event, self.mode)
+        self._state, actions = step(self._state, event, self.mode)
         self._perform(actions, cause, outcome)
         self._update_status()
 
