@@ -11,6 +11,12 @@ What `ready()` does in each state (the contract every held connection relies on)
 - backoff: refuses at once with 503 and the time left before the next try.
 - leaving (systemd mode, shown as stopping): waits until the front exits.
 - more than `max_held` already waiting: refuses at once.
+
+Why this module is over 400 lines: `Front` is the state's one writer, and the action
+handlers, the start and stop tasks and the control requests it serves live beside it so
+that every write of the state is in this file. What is not the writer can move out: the
+per-connection glue (`_Lease`, `_Connection`, accepting, leases) and the systemd entry
+(`run_systemd`, `admission_for`, `main`).
 """
 
 from __future__ import annotations
