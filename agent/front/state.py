@@ -11,8 +11,10 @@ happens by accident: a pair that does not apply maps to itself with no action.
       │                 ▼                    ▼                                    │
       └──backoff_over── backoff ◀────────────┘                  idle ◀────────────┘
 
-A request held while the worker stops is told to demand again once it is stopped
-(RETRY_WAITERS): the first such demand starts a fresh worker, the others join it.
+A release, `stop` or `retire` while the worker starts goes to stopping too: the stop
+cancels the start. A request held while the worker stops is told to demand again once
+it is stopped (RETRY_WAITERS): the first such demand starts a fresh worker, the others
+join it.
 
 Two modes differ in three events. In the foreground (`providerctl serve`) idle, `stop`
 and `retire` stop the worker and the front stays. A systemd-activated front lets go for
