@@ -181,3 +181,24 @@ def test_a_hook_that_fails_after_a_failed_start_still_answers_the_held_requests(
     answer, stopped = asyncio.run(go())
     assert answer.startswith(b"HTTP/1.1 503") and b"status 3" in answer, answer
     assert stopped
+
+
+def test_systemctl_stop_while_the_worker_starts_cancels_the_start_and_exits() -> None:
+    async def go() -> tuple[dict[str, object], int, int, bool, float]:
+        sock = listener()
+        worker = SlowWorker(start_s=30)
+        front = Front(provider(), worker, [sock], exit_on_idle=True)
+        front.start_accepting()
+        front.warm("activation")
+        await until(front, State.STARTING)
+        await asyncio.sleep(0.05)
+        began = time.monotonic()
+        answer = await asyncio.wait_for(front.handle({"op": "stop"}), 5)
+        took = time.monotonic() - began
+        result = answer, worker.begun, worker.cancelled, front.done.is_set(), took
+        await shutdown(front, worker)
+        return result
+
+    answer, begun, cancelled, done, took = asyncio.run(go())
+    assert answer == {"stopped": True, "cut": 0}
+    assert (begun, cancelled, done) == (1, 1, True) and took < 5
