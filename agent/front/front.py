@@ -790,7 +790,9 @@ async def run_systemd(slug: str) -> int:
     # While either file exists the worker's conditions kept systemd from starting it.
     with_front = provider.starts_with_front and not backoff_file.exists() and keys is None
     saved = None if with_front else saved_backoff.load(backoff_file, provider)
-    worker = SystemdWorker(bus, slug, provider.start_timeout_s, with_front=with_front)
+    worker = SystemdWorker(
+        bus, slug, provider.start_timeout_s, with_front=with_front, ready=provider.ready
+    )
     front = Front(
         provider,
         worker,

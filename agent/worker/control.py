@@ -25,8 +25,10 @@ from typing import Any, Protocol
 
 from agent.spec import paths
 from agent.spec.files import write_atomic
+from agent.spec.provider import Address, Ready
 from agent.systemd.bus import Systemd
 from agent.worker import wrapper as worker
+from agent.worker.readiness import until_answers
 
 ExitCallback = Callable[[str], None]
 DeviceRules = Sequence[tuple[str, str]]
@@ -75,10 +77,19 @@ def write_env_file(path: Path, env: Mapping[str, str]) -> None:
 
 class SystemdWorker:
     def __init__(
-        self, systemd: Systemd, slug: str, start_timeout_s: float, *, with_front: bool = False
+        self,
+        systemd: Systemd,
+        slug: str,
+        start_timeout_s: float,
+        *,
+        with_front: bool = False,
+        ready: Ready | None = None,
     ) -> None:
         self.systemd = systemd
         self.slug = slug
+        # How the front sees for itself that the model answers, while the start job runs
+        # (agent.worker.readiness); None: the job's end alone says so.
+        self.ready = ready if ready is not None and ready.kind != "notify" else None
         self.unit = f"provider-worker@{slug}.service"
         self.start_timeout_s = start_timeout_s
         # systemd started the worker on the front's own activation: the first start joins
@@ -130,25 +141,42 @@ class SystemdWorker:
             # Set up while the start runs: it only matters once the worker is ready.
             watching = asyncio.ensure_future(self.systemd.watch(self.unit, self._state_changed))
             self._watching = True
+        job = asyncio.ensure_future(self.systemd.start_unit(self.unit))
+        answered = self._probe(env)
         try:
-            result = await asyncio.wait_for(
-                self.systemd.start_unit(self.unit), self.start_timeout_s + 30
+            waited: set[asyncio.Future[Any]] = {job} if answered is None else {job, answered}
+            done, _ = await asyncio.wait(
+                waited, timeout=self.start_timeout_s + 30, return_when=asyncio.FIRST_COMPLETED
             )
-        except TimeoutError:
-            await self.systemd.stop_unit(self.unit)
-            raise StartFailed(
-                f"worker did not become ready within {self.start_timeout_s:g} s",
-                await journal_tail(self.unit),
-            ) from None
         finally:
+            if answered is not None:
+                answered.cancel()
+            if not job.done() and not (answered is not None and answered in done):
+                job.cancel()  # cancelled, or timed out: the job's result no longer matters
             if watching is not None:
-                failing = sys.exc_info()[1]  # the start's own failure, if any, comes first
+                # The start's own failure, if any, comes first.
+                failing = sys.exc_info()[1] or (
+                    job.exception() if job.done() and not job.cancelled() else None
+                )
                 try:
                     await watching
                 except BaseException:
                     self._watching = False  # the next start tries again
                     if failing is None:
                         raise
+        if not done:
+            await self.systemd.stop_unit(self.unit)
+            raise StartFailed(
+                f"worker did not become ready within {self.start_timeout_s:g} s",
+                await journal_tail(self.unit),
+            )
+        if job not in done:
+            # The model answers the front: it is ready, whatever the job still does. A job
+            # that ends otherwise than "done" from here on is the worker's exit.
+            self._running = True
+            job.add_done_callback(self._job_ended)
+            return
+        result = job.result()
         if result == "done":
             active = await self.systemd.get(self.unit, "Unit", "ActiveState")
             if active == "active":
@@ -157,6 +185,21 @@ class SystemdWorker:
             result = f"unit is {active}"
         reason = await self._failure_reason("failed to start")
         raise StartFailed(reason, await journal_tail(self.unit))
+
+    def _probe(self, env: Mapping[str, str]) -> asyncio.Future[None] | None:
+        """The front's own probe of the model (where its readiness can be probed)."""
+        port = env.get("PROVIDERD_WORKER_PORT", "")
+        if self.ready is None or not port.isdigit():
+            return None
+        address = Address(env.get("PROVIDERD_WORKER_HOST", "127.0.0.1"), int(port))
+        return asyncio.ensure_future(until_answers(address, self.ready))
+
+    def _job_ended(self, job: asyncio.Future[str]) -> None:
+        if job.cancelled() or job.exception() is not None:
+            return
+        if job.result() != "done" and self._running:
+            self._running = False
+            self._exit_task = asyncio.get_running_loop().create_task(self._report_exit())
 
     async def _failed_with_front(self) -> None:
         """Raise StartFailed if the start systemd made beside the front has failed already.

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 
 import pytest
 
+from agent.spec.provider import Ready
 from agent.systemd.bus import property_values
 from agent.worker.control import StartFailed, SystemdWorker
 from tests.fakes.fake_systemd import Behaviour, FakeSystemd
@@ -152,3 +154,112 @@ def test_a_failing_watch_after_a_good_start_is_still_reported() -> None:
     worker = SystemdWorker(fake, "demo", start_timeout_s=5)
     with pytest.raises(RuntimeError, match="LimitsExceeded"):
         asyncio.run(worker.start({}, None))
+
+
+# ------------------------------------------------- the front's own probe beside the start job
+
+
+def listener() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+def probing(fake: FakeSystemd, ready: Ready, **behaviour: object) -> SystemdWorker:
+    fake.unit(UNIT).behaviour = Behaviour(**behaviour)  # type: ignore[arg-type]
+    return SystemdWorker(fake, "demo", start_timeout_s=5, ready=ready)
+
+
+def test_the_model_answering_the_front_is_ready_before_the_job_ends() -> None:
+    """The model listens long before the job ends (the worker's READY=1 still on its way
+    through PID 1 and the bus): the start returns on the front's own probe."""
+    fake = FakeSystemd()
+    worker = probing(fake, Ready("tcp"), delay_s=3.0)
+    s = listener()
+    port = s.getsockname()[1]
+
+    async def go() -> float:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.1, s.listen)
+        t0 = loop.time()
+        await worker.start({"PROVIDERD_WORKER_PORT": str(port)}, None)
+        return loop.time() - t0
+
+    try:
+        took = asyncio.run(go())
+    finally:
+        s.close()
+    assert 0.1 <= took < 1.0, took
+    assert fake.unit(UNIT).starts == 1
+
+
+def test_a_job_that_fails_after_the_model_answered_is_the_workers_exit() -> None:
+    fake = FakeSystemd()
+    worker = probing(fake, Ready("tcp"), delay_s=0.3, result="exit-code", status=4)
+    reasons: list[str] = []
+    worker.on_exit(reasons.append)
+    s = listener()
+    s.listen()
+
+    async def go() -> None:
+        await worker.start({"PROVIDERD_WORKER_PORT": str(s.getsockname()[1])}, None)
+        assert reasons == []
+        await asyncio.sleep(0.6)
+
+    try:
+        asyncio.run(go())
+    finally:
+        s.close()
+    assert len(reasons) == 1 and "status 4" in reasons[0], reasons
+
+
+def test_a_job_that_fails_first_fails_the_start_while_nothing_answers() -> None:
+    fake = FakeSystemd()
+    worker = probing(fake, Ready("tcp"), delay_s=0.05, result="exit-code", status=3)
+    s = listener()  # bound, never listening: every probe is refused
+    try:
+        with pytest.raises(StartFailed, match="status 3"):
+            asyncio.run(worker.start({"PROVIDERD_WORKER_PORT": str(s.getsockname()[1])}, None))
+    finally:
+        s.close()
+
+
+def test_http_readiness_needs_a_2xx_from_the_front_too() -> None:
+    """503 while loading is not ready for the front either: the job decides then."""
+    fake = FakeSystemd()
+    worker = probing(fake, Ready("http", "/health"), delay_s=0.4)
+    s = listener()
+    s.listen()
+    answered: list[bytes] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                c, _ = s.accept()
+            except OSError:
+                return
+            with c:
+                answered.append(c.recv(65536))
+                c.sendall(b"HTTP/1.1 503 Loading\r\nContent-Length: 0\r\n\r\n")
+
+    import threading
+
+    threading.Thread(target=serve, daemon=True).start()
+
+    async def go() -> float:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await worker.start({"PROVIDERD_WORKER_PORT": str(s.getsockname()[1])}, None)
+        return loop.time() - t0
+
+    try:
+        took = asyncio.run(go())
+    finally:
+        s.close()
+    assert took >= 0.4  # the job's end, not the 503s
+    assert answered and answered[0].startswith(b"GET /health HTTP/1.1\r\n"), answered
+
+
+def test_notify_models_are_not_probed() -> None:
+    worker = SystemdWorker(FakeSystemd(), "demo", start_timeout_s=5, ready=Ready("notify"))
+    assert worker.ready is None
