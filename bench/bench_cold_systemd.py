@@ -36,6 +36,13 @@ from tests.system.nspawn import Container, base_tarball, installed  # noqa: E402
 from tests.system.soak import MODEL  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "cold_systemd.txt"
+# The soak's model, saying (on stderr: the worker's journal) when it started and when it
+# listens, in CLOCK_MONOTONIC seconds, the clock of the client's own stamps.
+STAMP = "import sys as _s, time as _t; print('bench-model {} %.6f' % _t.monotonic(), file=_s.stderr, flush=True)\n"
+STAMPED_MODEL = STAMP.format("started") + MODEL.replace(
+    "s.listen(1024)\n", "s.listen(1024)\n" + STAMP.format("listens")
+)
+assert STAMPED_MODEL.count("bench-model") == 2
 LIB = "/usr/local/lib/providerd-bench"
 SLUG = "coldbench"
 PORT = 18300
@@ -90,10 +97,10 @@ def release():
 release()
 for i in range(rounds):
     d = direct()
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # CLOCK_MONOTONIC, as the model's stamps
     first_byte(port)
     c = time.perf_counter() - t0
-    print(json.dumps({"round": i + 1, "direct": d, "cold": c}), flush=True)
+    print(json.dumps({"round": i + 1, "direct": d, "cold": c, "t0": t0}), flush=True)
     release()
 """
 
@@ -124,7 +131,7 @@ def manifest(load: float, decided: bool) -> str:
 def prepare(c: Container) -> None:
     lib = c.root / LIB.lstrip("/")
     lib.mkdir(parents=True, exist_ok=True)
-    (lib / "model.py").write_text(MODEL)
+    (lib / "model.py").write_text(STAMPED_MODEL)
     (lib / "client.py").write_text(CLIENT)
     for f in lib.iterdir():
         f.chmod(0o755)
@@ -153,6 +160,20 @@ def breakdown(ct: Container, since: str) -> list[str]:
     starts = [n for n, line in enumerate(lines) if f"Starting provider@{SLUG}" in line]
     lines = lines[starts[-1] if starts else 0 :]
     return [line for line in lines if "Stopp" not in line and "Deactivated" not in line][:12]
+
+
+def model_stamps(ct: Container, since: str) -> list[tuple[float, float]]:
+    """(started, listens) of each cold start's model since `since`, from its stamps."""
+    log = ct.journal(f"-u provider-worker@{SLUG}.service", since=since)
+    started: list[float] = []
+    out: list[tuple[float, float]] = []
+    for line in log.splitlines():
+        if line.startswith("bench-model started "):
+            started.append(float(line.split()[-1]))
+        elif line.startswith("bench-model listens ") and started:
+            out.append((started.pop(), float(line.split()[-1])))
+            started.clear()
+    return out
 
 
 def main() -> int:
@@ -213,7 +234,7 @@ def main() -> int:
             use_dropin(True)
         ct.sh(f"systemctl start provider@{SLUG}.socket")
         client(1)  # one warm-up activation (page cache, bytecode), not counted
-        since = ct.cursor()
+        since = first = ct.cursor()
         if args.ab:
             rounds = []
             for i in range(args.rounds):
@@ -225,6 +246,7 @@ def main() -> int:
         else:
             rounds = client(args.rounds)
         journal = breakdown(ct, since)
+        stamps = model_stamps(ct, first)
         version = ct.sh("systemctl --version | head -n 1", check=False).out.strip()
     extra = f", worker drop-in {args.worker_dropin!r}" if args.worker_dropin else ""
     if args.decided:
@@ -232,16 +254,36 @@ def main() -> int:
     out = [
         f"Cold start under systemd ({version}), container tier, model load {args.load:g} s, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}{extra}",
-        f"{'round':>5} {'direct ms':>10} {'cold ms':>9} {'added ms':>9}",
+        f"{'round':>5} {'direct ms':>10} {'cold ms':>9} {'added ms':>9}"
+        f"  {'to model':>8} {'model':>7} {'after':>6}",
     ]
     added: dict[str, list[float]] = {}
-    for x in rounds:
+    parts: dict[str, list[tuple[float, float, float]]] = {}
+    for n, x in enumerate(rounds):
         a = (x["cold"] - x["direct"]) * 1000
         variant = str(x.get("variant", ""))
         added.setdefault(variant, []).append(a)
+        split = ""
+        if n < len(stamps):  # from the model's own stamps: where the cold round's time went
+            started, listens = stamps[n]
+            t0, end = x["t0"], x["t0"] + x["cold"]
+            p = ((started - t0) * 1000, (listens - started) * 1000, (end - listens) * 1000)
+            parts.setdefault(variant, []).append(p)
+            split = f"  {p[0]:>8.1f} {p[1]:>7.1f} {p[2]:>6.1f}"
         out.append(
             f"{x['round']:>5} {x['direct'] * 1000:>10.1f} {x['cold'] * 1000:>9.1f} {a:>9.1f}"
+            + split
             + (f"  {variant}" if variant else "")
+        )
+    out.append(
+        "to model: the connection → the model's first line; model: its first line → listening "
+        "(its own start, as in direct); after: listening → the client's first response byte"
+    )
+    for variant, ps in parts.items():
+        medians = [statistics.median(p[i] for p in ps) for i in range(3)]
+        out.append(
+            f"medians{' (' + variant + ')' if variant else ''}: to model {medians[0]:.1f} ms, "
+            f"model {medians[1]:.1f} ms, after {medians[2]:.1f} ms"
         )
     for variant, values in added.items():
         out.append(
