@@ -6,19 +6,17 @@ JSON object per check to the second serial port; the tests here assert on them.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.vm.qemu import QEMU_TIMEOUT_S, keep, run_payload
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-QEMU_TIMEOUT_S = 420
 
 
 @pytest.fixture(scope="session")
@@ -32,65 +30,24 @@ def vm(pytestconfig: pytest.Config) -> dict[str, dict[str, Any]]:
         )
     deb = Path(value).resolve()
     work = Path(f"/var/tmp/providerd-vm-{os.getpid()}")
-    shutil.rmtree(work, ignore_errors=True)
-    (work / "payload").mkdir(parents=True)
+    files = [
+        HERE / "payload" / "run-tests",
+        HERE / "payload" / "run_tests.py",
+        REPO / "tests/system/probe_worker.py",
+        REPO / "tests/gpu/cuda_worker.py",
+        deb,
+    ]
     try:
-        t0 = time.monotonic()
-        r = subprocess.run(
-            [str(HERE / "mkimage.sh"), str(work / "img"), str(deb)], capture_output=True, text=True
-        )
-        assert r.returncode == 0, f"cannot build the VM image:\n{r.stdout}{r.stderr}"
-        t_image = time.monotonic() - t0
-        for src in (
-            HERE / "payload" / "run-tests",
-            HERE / "payload" / "run_tests.py",
-            REPO / "tests/system/probe_worker.py",
-            REPO / "tests/gpu/cuda_worker.py",
-            deb,
-        ):
-            shutil.copy2(src, work / "payload" / src.name)
-        subprocess.run(
-            ["mkfs.ext4", "-q", "-F", "-d", str(work / "payload"), str(work / "payload.img"), "64M"],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        console, results = work / "console.log", work / "results.log"
-        cmd = [
-            "timeout", "--kill-after=10", str(QEMU_TIMEOUT_S),
-            "qemu-system-x86_64", "-accel", "tcg,thread=multi", "-cpu", "max", "-machine", "q35",
-            "-m", "2048", "-smp", "2", "-nodefaults", "-no-user-config", "-display", "none",
-            "-no-reboot", "-nic", "none",
-            "-kernel", str(work / "img" / "vmlinuz"),
-            "-append", "console=ttyS0 root=/dev/nvme0n1 rw panic=-1 quiet systemd.unified_cgroup_hierarchy=1",
-            "-drive", f"file={work / 'img' / 'disk.img'},if=none,id=root,format=raw,snapshot=on",
-            "-device", "nvme,drive=root,serial=root",
-            "-drive", f"file={work / 'payload.img'},if=none,id=pay,format=raw,readonly=on",
-            "-device", "nvme,drive=pay,serial=payload",
-            "-serial", f"file:{console}", "-serial", f"file:{results}", "-monitor", "none",
-        ]  # fmt: skip
-        t1 = time.monotonic()
-        q = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        t_vm = time.monotonic() - t1
-        text = results.read_text(errors="replace") if results.exists() else ""
-        checks: dict[str, dict[str, Any]] = {}
-        for line in text.replace("\r", "").splitlines():
-            if line.startswith('{"check"'):
-                try:
-                    doc = json.loads(line)
-                except ValueError:
-                    continue
-                checks[doc["check"]] = doc
-        tail = (
-            "\n".join(console.read_text(errors="replace").splitlines()[-40:])
-            if console.exists()
-            else ""
-        )
+        boot = run_payload(deb, files, work, QEMU_TIMEOUT_S)
+        checks = boot.checks
         if "done" not in checks:
             pytest.fail(
-                f"the VM payload did not finish (qemu exit {q.returncode}, {t_vm:.0f} s):\n"
-                f"--- results (ttyS1)\n{text[-6000:]}\n--- console (ttyS0)\n{tail}\n{q.stderr}"
+                f"the VM payload did not finish (qemu exit {boot.qemu_rc}, {boot.vm_s:.0f} s):\n"
+                f"--- results (ttyS1)\n{boot.results[-6000:]}\n--- console (ttyS0)\n"
+                f"{boot.console}\n{boot.qemu_err}"
             )
-        checks["_timing"] = {"image_s": round(t_image, 1), "vm_s": round(t_vm, 1)}
+        checks["_timing"] = {"image_s": round(boot.image_s, 1), "vm_s": round(boot.vm_s, 1)}
         return checks
     finally:
-        if not os.environ.get("PROVIDERD_KEEP_VM"):
+        if not keep():
             shutil.rmtree(work, ignore_errors=True)
