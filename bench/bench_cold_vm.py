@@ -73,6 +73,7 @@ def cursor():
 debs = sorted(f for f in os.listdir("/ci") if f.endswith(".deb"))
 r = sh(f"apt-get install -y --no-install-recommends /ci/{debs[-1]}")
 print(json.dumps({"check": "install", "rc": r.returncode, "err": r.stderr[-2000:]}), flush=True)
+os.makedirs(vm.CI, exist_ok=True)
 vm.setup_fake_gpus()
 for f in os.listdir("/etc/providerd/providers"):
     os.remove(f"/etc/providerd/providers/{f}")  # only this bench's providers

@@ -129,7 +129,7 @@ class SystemdWorker:
 
     async def start(self, env: Mapping[str, str], devices: DeviceRules | None) -> None:
         write_env_file(paths.worker_env_file(self.slug), env)
-        if devices is not None:
+        if devices is not None and not await self._devices_are(devices):
             await self.systemd.set_properties(
                 self.unit, [("DeviceAllow", "a(ss)", []), ("DeviceAllow", "a(ss)", list(devices))]
             )
@@ -185,6 +185,18 @@ class SystemdWorker:
             result = f"unit is {active}"
         reason = await self._failure_reason("failed to start")
         raise StartFailed(reason, await journal_tail(self.unit))
+
+    async def _devices_are(self, devices: DeviceRules) -> bool:
+        """Whether the unit's DeviceAllow= is `devices` already (set so for an earlier start
+        on the same card, and kept until reboot): reading it needs no polkit check, setting
+        it does, on the way to StartUnit."""
+        try:
+            current = await self.systemd.get(self.unit, "Service", "DeviceAllow")
+        except Exception:  # the bus says nothing useful: set them
+            return False
+        if not isinstance(current, list):
+            return False
+        return [tuple(rule) for rule in current] == [tuple(rule) for rule in devices]
 
     def _probe(self, env: Mapping[str, str]) -> asyncio.Future[None] | None:
         """The front's own probe of the model (where its readiness can be probed)."""

@@ -135,6 +135,7 @@ class FakeSystemd:
             ("Service", "ExecMainStatus"): unit.status,
             ("Service", "MemoryCurrent"): unit.memory_current,
             ("Service", "MemoryMax"): unit.memory_max,
+            ("Service", "DeviceAllow"): [list(r) for r in unit.properties.get("DeviceAllow", [])],
         }
         return values[(interface, prop)]
 

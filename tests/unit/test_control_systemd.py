@@ -74,6 +74,27 @@ def test_device_rules_replace_the_list() -> None:
     assert fake.unit(UNIT).properties["DeviceAllow"] == rules
 
 
+def test_device_rules_already_in_place_are_not_set_again() -> None:
+    """A start on the same card as the last one: no SetUnitProperties (a polkit check)."""
+    fake = FakeSystemd()
+    worker = make(fake)
+    rules = [("/dev/nvidiactl", "rw"), ("/dev/nvidia0", "rw")]
+
+    async def go() -> None:
+        await worker.start({}, rules)
+        await worker.stop()
+        await worker.start({}, rules)
+        await worker.stop()
+        await worker.start({}, [("/dev/nvidiactl", "rw"), ("/dev/nvidia1", "rw")])
+
+    asyncio.run(go())
+    assert [c for c in fake.calls if c[0] == "set-property"] == [("set-property", UNIT)] * 2
+    assert fake.unit(UNIT).properties["DeviceAllow"] == [
+        ("/dev/nvidiactl", "rw"),
+        ("/dev/nvidia1", "rw"),
+    ]
+
+
 def test_crash_after_ready_is_reported_once_with_reason() -> None:
     fake = FakeSystemd()
     worker = make(fake)
