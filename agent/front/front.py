@@ -542,7 +542,9 @@ class Front:
         self.last_start = {"at": time.time(), "took_s": round(took, 3), "result": "ready"}
         self._record_preload()
         self.counters.count_start(took)
-        self._flush()
+        # Not now: the write's fsync (5-20 ms on a busy disk) would hold the event loop,
+        # and the held requests with it, at the very moment they go to the worker.
+        self._flush_soon()
         self.log.info("Worker ready after %.1f s", took)
 
     def _flush_soon(self) -> None:

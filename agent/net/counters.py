@@ -7,9 +7,9 @@ every count goes to two places:
 - the live file `<runtime>/<slug>.counters` (`agent.net.counterfile`: mapped into
   memory, so each increment is in the page cache at once, with no system call):
   a front killed with SIGKILL loses nothing;
-- `<state>/counters/<slug>.json`, written when the worker starts or stops, at most
-  every `FLUSH_S` while the front serves, and when it exits: it carries the counters
-  across a reboot, which empties /run.
+- `<state>/counters/<slug>.json`, written within `FLUSH_S` of the worker's start (the held
+  requests go first), when it stops, at most every `FLUSH_S` while the front serves, and
+  when it exits: it carries the counters across a reboot, which empties /run.
 
 Each front starts from the larger of the two, value by value, and makes a fresh live
 file from that. A scrape reads a running front's counters over its control socket
