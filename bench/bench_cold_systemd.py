@@ -38,7 +38,10 @@ from tests.system.soak import MODEL  # noqa: E402
 RESULTS = REPO / "bench" / "results" / "cold_systemd.txt"
 # The soak's model, saying (on stderr: the worker's journal) when it started and when it
 # listens, in CLOCK_MONOTONIC seconds, the clock of the client's own stamps.
-STAMP = "import sys as _s, time as _t; print('bench-model {} %.6f' % _t.monotonic(), file=_s.stderr, flush=True)\n"
+STAMP = (
+    "import sys as _s, time as _t; print('bench-model {} %.6f %.6f' % (_t.monotonic(), "
+    "_t.process_time()), file=_s.stderr, flush=True)\n"
+)
 STAMPED_MODEL = STAMP.format("started") + MODEL.replace(
     "s.listen(1024)\n", "s.listen(1024)\n" + STAMP.format("listens")
 )
@@ -58,6 +61,18 @@ def first_byte(p):
         c.sendall(REQUEST)
         if not c.recv(1):
             raise RuntimeError("closed without an answer")
+
+def cpu_s(unit):
+    group = subprocess.run(
+        ["systemctl", "show", "-P", "ControlGroup", unit], capture_output=True, text=True
+    ).stdout.strip()
+    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):  # unified, or hybrid
+        try:
+            with open(f"{root}{group}/cpu.stat") as f:
+                return next(int(l.split()[1]) / 1e6 for l in f if l.startswith("usage_usec "))
+        except (OSError, StopIteration, ValueError):
+            continue
+    return None
 
 def free_port():
     with socket.socket() as s:
@@ -100,7 +115,10 @@ for i in range(rounds):
     t0 = time.perf_counter()  # CLOCK_MONOTONIC, as the model's stamps
     first_byte(port)
     c = time.perf_counter() - t0
-    print(json.dumps({"round": i + 1, "direct": d, "cold": c, "t0": t0}), flush=True)
+    # CPU time the units used (their cgroups' cpu.stat, there without the cpu controller
+    # too), the model's own included: read before the release.
+    cpu = [cpu_s(f"provider-worker@{slug}.service"), cpu_s(f"provider@{slug}.service")]
+    print(json.dumps({"round": i + 1, "direct": d, "cold": c, "t0": t0, "cpu": cpu}), flush=True)
     release()
 """
 
@@ -162,16 +180,16 @@ def breakdown(ct: Container, since: str) -> list[str]:
     return [line for line in lines if "Stopp" not in line and "Deactivated" not in line][:12]
 
 
-def model_stamps(ct: Container, since: str) -> list[tuple[float, float]]:
-    """(started, listens) of each cold start's model since `since`, from its stamps."""
+def model_stamps(ct: Container, since: str) -> list[tuple[float, float, float]]:
+    """(started, listens, its CPU seconds by then) of each cold start's model since `since`."""
     log = ct.journal(f"-u provider-worker@{SLUG}.service", since=since)
     started: list[float] = []
-    out: list[tuple[float, float]] = []
+    out: list[tuple[float, float, float]] = []
     for line in log.splitlines():
         if line.startswith("bench-model started "):
-            started.append(float(line.split()[-1]))
+            started.append(float(line.split()[2]))
         elif line.startswith("bench-model listens ") and started:
-            out.append((started.pop(), float(line.split()[-1])))
+            out.append((started.pop(), float(line.split()[2]), float(line.split()[3])))
             started.clear()
     return out
 
@@ -259,13 +277,19 @@ def main() -> int:
     ]
     added: dict[str, list[float]] = {}
     parts: dict[str, list[tuple[float, float, float]]] = {}
+    cpus: dict[str, list[tuple[float, float]]] = {}
     for n, x in enumerate(rounds):
         a = (x["cold"] - x["direct"]) * 1000
         variant = str(x.get("variant", ""))
         added.setdefault(variant, []).append(a)
         split = ""
         if n < len(stamps):  # from the model's own stamps: where the cold round's time went
-            started, listens = stamps[n]
+            started, listens, model_cpu = stamps[n]
+            worker_cpu, front_cpu = (x.get("cpu") or [None, None])[:2]
+            if worker_cpu is not None and front_cpu is not None:
+                cpus.setdefault(variant, []).append(
+                    ((worker_cpu - model_cpu) * 1000, front_cpu * 1000)
+                )
             t0, end = x["t0"], x["t0"] + x["cold"]
             p = ((started - t0) * 1000, (listens - started) * 1000, (end - listens) * 1000)
             parts.setdefault(variant, []).append(p)
@@ -284,6 +308,13 @@ def main() -> int:
         out.append(
             f"medians{' (' + variant + ')' if variant else ''}: to model {medians[0]:.1f} ms, "
             f"model {medians[1]:.1f} ms, after {medians[2]:.1f} ms"
+        )
+    for variant, cs in cpus.items():
+        out.append(
+            f"CPU{' (' + variant + ')' if variant else ''}: worker unit beyond the model's own "
+            f"{statistics.median(c[0] for c in cs):.1f} ms, front unit "
+            f"{statistics.median(c[1] for c in cs):.1f} ms (medians; cgroup CPUUsageNSec after "
+            "the first response)"
         )
     for variant, values in added.items():
         out.append(
