@@ -21,7 +21,6 @@ import os
 import select
 import socket
 
-from agent.net.sockio import bind_loopback_source
 from agent.spec.provider import Address, Ready
 
 PROBE_FIRST_S = 0.001
@@ -83,7 +82,10 @@ async def connected(loop: asyncio.AbstractEventLoop, address: Address) -> socket
         socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC,
     )
     try:
-        bind_loopback_source(sock, target)
+        if host.startswith("127.") and host != "127.0.0.1":
+            # A host-network worker's own loopback address: its IP filter admits only
+            # connections from it, as the front's own (agent.systemd.units.worker_loopback).
+            sock.bind((host, 0))
         err = sock.connect_ex(target)
         if err == errno.EINPROGRESS:
             poller = select.poll()
