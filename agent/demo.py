@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import signal
 import socket
@@ -41,6 +40,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from agent.atomic import write_atomic
 
 BUCKETS = 2048
 SEED = 20240601
@@ -114,11 +115,8 @@ class Weights:
         data = array("f", self.data)
         if sys.byteorder != "little":
             data.byteswap()
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(
-            MAGIC + BUCKETS.to_bytes(4, "little") + self.dim.to_bytes(4, "little") + data.tobytes()
-        )
-        os.replace(tmp, path)
+        head = MAGIC + BUCKETS.to_bytes(4, "little") + self.dim.to_bytes(4, "little")
+        write_atomic(path, head + data.tobytes(), 0o644, make_parent=False)
 
     def embed(self, text: str) -> list[float]:
         """Hashed character trigrams of `text` times the weights, L2-normalised."""

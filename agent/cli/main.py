@@ -48,7 +48,7 @@ def systemd_booted() -> bool:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from agent.spec.manifest import main_check
+    from agent.cli.check import main_check
 
     return main_check(args.paths, sys.stdout, sys.stderr)
 
@@ -98,7 +98,7 @@ def _known_slugs() -> tuple[dict[str, Any], list[str]]:
 
 def _discover() -> tuple[dict[str, Any], list[str], int]:
     """`_known_slugs()`, plus how many manifest files have problems."""
-    from agent.spec.manifest import discover
+    from agent.systemd.manifests import discover
 
     found = discover()
     running = sorted(
@@ -337,7 +337,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from agent.cli.serve import serve
     from agent.log import setup
-    from agent.spec.manifest import check_paths
+    from agent.systemd.manifests import check_paths
 
     setup(journal=False, verbose=args.verbose)
     found = check_paths([Path(p) for p in args.paths])

@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from agent.spec.sizes import KUBERNETES_SUFFIXES, format_size
+
 GpuSharing = Literal["whole", "hami"]
 Obj = dict[str, Any]
 
@@ -86,10 +88,7 @@ def duration(seconds: float) -> str:
 
 
 def memory_quantity(size: int) -> str:
-    for unit, factor in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
-        if size % factor == 0:
-            return f"{size // factor}{unit}"
-    return str(size)
+    return format_size(size, KUBERNETES_SUFFIXES)
 
 
 def cpu_quantity(percent: int) -> str:

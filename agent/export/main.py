@@ -13,7 +13,7 @@ from typing import TextIO
 from agent.export import kubernetes, yamltext
 from agent.spec import paths
 from agent.spec.files import write_atomic
-from agent.spec.manifest import check_paths, discover
+from agent.systemd.manifests import check_paths, discover
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_SUCH = 0, 1, 2, 4
 

@@ -769,8 +769,9 @@ async def run_systemd(slug: str) -> int:
     from agent import signals
     from agent.net import rpc
     from agent.spec import paths
-    from agent.spec.manifest import ManifestError, load
+    from agent.spec.manifest import ManifestError
     from agent.systemd.bus import DbusSystemd
+    from agent.systemd.manifests import load
     from agent.systemd.notify import notify
     from agent.worker.control import SystemdWorker
 

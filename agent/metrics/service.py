@@ -192,7 +192,7 @@ def render(samples: list[Sample], router: counters.RouterCounters | None = None)
 
 async def scrape() -> bytes:
     """Everything, as one `GET /metrics` answers it."""
-    from agent.spec.manifest import discover
+    from agent.systemd.manifests import discover
 
     try:
         slugs = list(discover().providers)

@@ -259,7 +259,7 @@ def table_from(providers: Iterable[Provider]) -> Table:
 
 def discover_table() -> Table:
     """The table from the manifest directories; invalid manifests are logged and left out."""
-    from agent.spec.manifest import discover
+    from agent.systemd.manifests import discover
 
     found = discover()
     for problem in found.problems:
@@ -323,8 +323,9 @@ async def close_foreground(router: Router) -> None:
 
 async def run_systemd() -> int:
     """The router as providerd-router.service runs it."""
-    from agent.spec.settings import ROUTER_SOCKET, ConfigError, load
+    from agent.spec.settings import ConfigError, load
     from agent.systemd.activation import inherited_listeners
+    from agent.systemd.names import ROUTER_SOCKET
     from agent.systemd.notify import notify
 
     try:

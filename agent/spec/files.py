@@ -6,8 +6,8 @@ without blocking (a FIFO never stalls the generator) and refuses anything but a
 regular file of bounded size; `mode_problem` refuses owners other than root and
 modes that let others rewrite it; `contained` turns anything unexpected raised
 while reading, parsing or checking one file into a problem of that file; and
-`printable` makes any name or message safe to print on one line. `write_atomic` is
-the one way providerd writes a file others read (state, records, exports).
+`printable` makes any name or message safe to print on one line. `write_atomic` (from
+agent.atomic) is the one way providerd writes a file others read (state, records, exports).
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import errno
 import os
 import re
 import stat
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from agent.atomic import write_atomic
 from agent.spec.provider import Problem, printable
+from agent.spec.sizes import format_size
 
 __all__ = [
     "FileProblem",
@@ -47,7 +48,7 @@ class FileProblem(Exception):
 
 
 def _size_text(n: int) -> str:
-    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n} bytes"
+    return format_size(n, ((" MiB", 20),), "{} bytes")
 
 
 def read_regular(path: Path, limit: int, what: str) -> bytes:
@@ -151,21 +152,3 @@ def contained(file: str, what: str, work: Callable[[], T]) -> T | list[Problem]:
         return work()
     except Exception as e:
         return [Problem(file, "", f"Failed to read {what}: {describe(e)}")]
-
-
-def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
-    """Write `text` to `path` so readers see the old or the new content, never a part
-    (a fresh temporary file beside it, fsync, rename); `mode` sets its permissions."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

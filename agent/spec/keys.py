@@ -40,6 +40,9 @@ KINDS = (
     "group",
 )
 
+# The drop-ins a key may become directives of (agent.systemd.units renders one of each).
+UNIT_ROLES = ("socket", "front", "worker")
+
 SECTIONS = ("", "listen", "runtime", "limits", "gpu", "weights", "isolation", "models")
 
 SECTION_MEANING = {
@@ -63,12 +66,16 @@ class Key:
     default: str  # the default as written in TOML; "" when required
     meaning: str
     directive: str = (
-        ""  # the systemd directive and unit it becomes; "" when read by providerd itself
+        ""  # the systemd directive and unit it becomes, in words; "" when read by providerd itself
     )
     low: float | None = None  # accepted range, inclusive
     high: float | None = None
     choices: tuple[str, ...] = ()
     required: bool = False
+    # What the renderer writes for this key, as (unit, directive): unit is one of UNIT_ROLES,
+    # or "link" with the .wants directory the generator links into. agent.systemd.units takes
+    # its directive names from here; a test checks `directive` names the same ones.
+    becomes: tuple[tuple[str, str], ...] = ()
 
     @property
     def dotted(self) -> str:
@@ -108,6 +115,7 @@ KEYS: tuple[Key, ...] = (
         "true",
         "Listen from boot: the generator links the socket into sockets.target.",
         "sockets.target.wants/provider@SLUG.socket link",
+        becomes=(("link", "sockets.target.wants"),),
     ),
     Key(
         "listen",
@@ -118,6 +126,7 @@ KEYS: tuple[Key, ...] = (
         'Where clients connect: "host:port", "[v6]:port" or an absolute unix socket path. '
         "No two providers may share an address.",
         "ListenStream= (socket)",
+        becomes=(("socket", "ListenStream"),),
         required=True,
     ),
     Key(
@@ -138,6 +147,7 @@ KEYS: tuple[Key, ...] = (
         "[]",
         'Client allow-list: addresses or CIDRs ("10.0.0.0/8", "::1"). Empty: anyone may connect.',
         "IPAddressDeny=any + IPAddressAllow= (socket)",
+        becomes=(("socket", "IPAddressDeny"), ("socket", "IPAddressAllow")),
     ),
     Key(
         "listen",
@@ -168,6 +178,7 @@ KEYS: tuple[Key, ...] = (
         "The worker's command as argv, with placeholders {port}, {host}, {slug}, {python} "
         "({{ and }} for literal braces). Exactly one of command and launch.",
         "ExecStart= (worker), after the wrapper python3 -m agent.worker",
+        becomes=(("worker", "ExecStart"),),
     ),
     Key(
         "runtime",
@@ -178,6 +189,7 @@ KEYS: tuple[Key, ...] = (
         '"package.module:function" returning the argv; resolved by the worker wrapper when the '
         "worker starts, as the worker's user. Exactly one of command and launch.",
         "ExecStart= (worker), as --launch",
+        becomes=(("worker", "ExecStart"),),
     ),
     Key(
         "runtime",
@@ -199,6 +211,7 @@ KEYS: tuple[Key, ...] = (
         'When the model answers: "tcp" (the port accepts), "http:/path" (GET answers 2xx), or '
         '"notify" (the model sends READY=1 itself).',
         "ExecStart= (worker), as --ready",
+        becomes=(("worker", "ExecStart"),),
     ),
     Key(
         "runtime",
@@ -208,6 +221,7 @@ KEYS: tuple[Key, ...] = (
         "{}",
         "Environment of the worker, passed unchanged ($ and % included).",
         "Environment= (worker)",
+        becomes=(("worker", "Environment"),),
     ),
     Key(
         "runtime",
@@ -217,6 +231,7 @@ KEYS: tuple[Key, ...] = (
         "the manifest's directory for SLUG/provider.toml, else /",
         "The worker's working directory.",
         "WorkingDirectory= (worker)",
+        becomes=(("worker", "WorkingDirectory"),),
     ),
     Key(
         "runtime",
@@ -226,6 +241,7 @@ KEYS: tuple[Key, ...] = (
         "900",
         "How long the worker may take to become ready.",
         "TimeoutStartSec= (worker)",
+        becomes=(("worker", "TimeoutStartSec"),),
         low=1,
         high=MAX_TIMEOUT_S,
     ),
@@ -258,6 +274,7 @@ KEYS: tuple[Key, ...] = (
         "30",
         "How long requests in flight may take to finish when the provider is stopped.",
         "TimeoutStopSec= (front, plus 30 s)",
+        becomes=(("front", "TimeoutStopSec"),),
         low=1,
         high=3600,
     ),
@@ -296,6 +313,7 @@ KEYS: tuple[Key, ...] = (
         "Load the model when the system starts, after its socket, instead of on the first "
         "request. Needs enabled = true. Unless pinned, it is released when idle like any other.",
         "multi-user.target.wants/provider@SLUG.service link",
+        becomes=(("link", "multi-user.target.wants"),),
     ),
     Key(
         "limits",
@@ -305,6 +323,7 @@ KEYS: tuple[Key, ...] = (
         "no limit",
         "Hard memory limit of the worker; over it, the kernel kills the worker.",
         "MemoryMax= (worker)",
+        becomes=(("worker", "MemoryMax"),),
     ),
     Key(
         "limits",
@@ -314,6 +333,7 @@ KEYS: tuple[Key, ...] = (
         "no limit",
         "Memory above which the worker is throttled and reclaimed; at most memory_max.",
         "MemoryHigh= (worker)",
+        becomes=(("worker", "MemoryHigh"),),
     ),
     Key(
         "limits",
@@ -323,6 +343,7 @@ KEYS: tuple[Key, ...] = (
         "no limit",
         "CPU time, 100% = one CPU; at most the host's CPUs times 100%.",
         "CPUQuota= (worker)",
+        becomes=(("worker", "CPUQuota"),),
     ),
     Key(
         "limits",
@@ -332,6 +353,7 @@ KEYS: tuple[Key, ...] = (
         "no limit",
         "Most processes and threads the worker may have.",
         "TasksMax= (worker)",
+        becomes=(("worker", "TasksMax"),),
         low=1,
         high=4_194_304,
     ),
@@ -344,6 +366,7 @@ KEYS: tuple[Key, ...] = (
         '"auto" (the card(s) with enough free memory), "none", or a list of indices (0, 1) '
         'or UUIDs ("GPU-…"). The choice reaches the worker as CUDA_VISIBLE_DEVICES.',
         "DeviceAllow= (worker, set by the front at each start)",
+        becomes=(("worker", "DeviceAllow"),),
     ),
     Key(
         "gpu",
@@ -394,6 +417,7 @@ KEYS: tuple[Key, ...] = (
         "[]",
         "Model files or directories; they must exist and are bound read-only into the worker.",
         "BindReadOnlyPaths= (worker)",
+        becomes=(("worker", "BindReadOnlyPaths"),),
     ),
     Key(
         "isolation",
@@ -405,6 +429,7 @@ KEYS: tuple[Key, ...] = (
         'reachable only by its front; "host": the worker uses the host network, listening on '
         "its own loopback address ({host}) and denied every other loopback address.",
         "PrivateNetwork= (front and worker)",
+        becomes=(("front", "PrivateNetwork"), ("worker", "PrivateNetwork")),
         choices=("private", "host"),
     ),
     Key(
@@ -454,6 +479,7 @@ KEYS: tuple[Key, ...] = (
         "model's environment. Never in Environment=, systemctl show or the generated files. The "
         "files must exist; keep them root's, mode 0600.",
         "LoadCredential= (worker)",
+        becomes=(("worker", "LoadCredential"),),
     ),
     Key(
         "listen",
@@ -463,6 +489,7 @@ KEYS: tuple[Key, ...] = (
         '"0660"',
         "Access mode of unix socket addresses.",
         "SocketMode= (socket, unix addresses only)",
+        becomes=(("socket", "SocketMode"),),
     ),
     Key(
         "listen",
@@ -473,10 +500,20 @@ KEYS: tuple[Key, ...] = (
         "Group of unix socket addresses: with the default mode its members may connect (the "
         "router is one). The group must exist.",
         "SocketGroup= (socket, unix addresses only)",
+        becomes=(("socket", "SocketGroup"),),
     ),
 )
 
 BY_DOTTED: dict[str, Key] = {k.dotted: k for k in KEYS}
+
+
+def becomes(dotted: str, unit: str) -> tuple[str, ...]:
+    """The directives (for unit "link": the .wants directory) the key `dotted` becomes in
+    `unit`, in the table's order; KeyError when the table says it becomes none there."""
+    found = tuple(d for role, d in BY_DOTTED[dotted].becomes if role == unit)
+    if not found:
+        raise KeyError(f"{dotted} becomes nothing in the {unit} unit")
+    return found
 
 
 def section_keys(section: str) -> list[Key]:

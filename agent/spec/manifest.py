@@ -4,7 +4,7 @@
 out, with the host facts it needs (CPU count, which paths exist) passed in. Each
 value goes through its key kind's converter in `agent.spec.values`.
 `parse_file`, `discover`, `check_paths` and `load` read files and check owners
-and modes; `main_check` is the body of `providerctl check`.
+and modes (`providerctl check` is agent.cli.check).
 
 Kept light on imports: the generator parses every manifest at each boot and
 `daemon-reload`.
@@ -16,18 +16,16 @@ import bisect
 import errno
 import os
 import re
-import shlex
-import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from agent.spec import paths
 from agent.spec.files import FileProblem, contained, mode_problems, read_regular
 from agent.spec.keys import BY_DOTTED, KEYS, SECTIONS, Key
 from agent.spec.patterns import Pattern, compile_pattern
-from agent.spec.provider import Address, Problem, Provider, printable
+from agent.spec.provider import Address, Problem, Provider
 from agent.spec.values import (
     CONVERTERS,
     Host,
@@ -38,7 +36,6 @@ from agent.spec.values import (
     this_host,
     unknown_table,
 )
-from agent.systemd import units
 
 SLUG_RE = re.compile(r"[a-z0-9_]{1,48}")
 SLUG_RULE = "lowercase letters, digits and '_' only, at most 48 characters"
@@ -217,23 +214,30 @@ def ownership_problems(path: Path) -> list[Problem]:
     return mode_problems(path, checks, paths.trusted_uids(), MANIFESTS_RUN_COMMANDS)
 
 
-def parse_bytes(raw: bytes, path: Path, slug: str, host: Host) -> Provider | list[Problem]:
-    """Validate the bytes of one manifest, and make sure its units can be written."""
+# A last check of a valid provider by a layer above (agent.systemd.manifests: that its units
+# can be written): the problem's message, or None.
+Check = Callable[[Provider], str | None]
+
+
+def parse_bytes(
+    raw: bytes, path: Path, slug: str, host: Host, check: Check | None = None
+) -> Provider | list[Problem]:
+    """Validate the bytes of one manifest, then `check` the provider if given."""
     file = str(path)
     try:
         data = load_toml(raw, "a manifest")
     except Invalid as e:
         return [Problem(file, "", str(e))]
     result = validate(data, slug, path, host)
-    if isinstance(result, Provider):
-        try:
-            units.render(result)
-        except units.Unrenderable as e:
-            return [Problem(file, "", str(e))]
+    message = check(result) if isinstance(result, Provider) and check is not None else None
+    if message is not None:
+        return [Problem(file, "", message)]
     return result
 
 
-def _parse_file(path: Path, slug: str | None, host: Host | None) -> Provider | list[Problem]:
+def _parse_file(
+    path: Path, slug: str | None, host: Host | None, check: Check | None
+) -> Provider | list[Problem]:
     path = Path(os.path.abspath(path))
     try:
         raw = read_regular(path, MAX_MANIFEST_BYTES, "manifest")
@@ -241,7 +245,7 @@ def _parse_file(path: Path, slug: str | None, host: Host | None) -> Provider | l
         return [Problem(str(path), "", e.message)]
     problems = ownership_problems(path)
     result = parse_bytes(
-        raw, path, slug if slug is not None else slug_of(path), host or this_host()
+        raw, path, slug if slug is not None else slug_of(path), host or this_host(), check
     )
     if isinstance(result, list):
         return problems + result
@@ -249,11 +253,11 @@ def _parse_file(path: Path, slug: str | None, host: Host | None) -> Provider | l
 
 
 def parse_file(
-    path: Path, slug: str | None = None, host: Host | None = None
+    path: Path, slug: str | None = None, host: Host | None = None, check: Check | None = None
 ) -> Provider | list[Problem]:
     """Read, check owner and mode, and validate one manifest file: the boundary of one
     file, so whatever it holds or is comes back as its problems, never as an exception."""
-    return contained(str(path), "manifest", lambda: _parse_file(path, slug, host))
+    return contained(str(path), "manifest", lambda: _parse_file(path, slug, host, check))
 
 
 # -- discovery and the checks across manifests --------------------------------------------
@@ -373,7 +377,9 @@ def _finish(found: list[Provider], problems: list[Problem]) -> Discovery:
     return Discovery(providers, problems + cross)
 
 
-def _scan(dirs: Iterable[Path], host: Host) -> tuple[list[Provider], list[Problem]]:
+def _scan(
+    dirs: Iterable[Path], host: Host, check: Check | None
+) -> tuple[list[Provider], list[Problem]]:
     found: list[Provider] = []
     problems: list[Problem] = []
     seen: set[str] = set()
@@ -395,7 +401,7 @@ def _scan(dirs: Iterable[Path], host: Host) -> tuple[list[Provider], list[Proble
                         )
                     )
                 continue
-            result = parse_file(manifests[0], slug, host)
+            result = parse_file(manifests[0], slug, host, check)
             if isinstance(result, list):
                 problems.extend(result)
             else:
@@ -403,13 +409,18 @@ def _scan(dirs: Iterable[Path], host: Host) -> tuple[list[Provider], list[Proble
     return found, problems
 
 
-def discover(dirs: list[Path] | None = None, host: Host | None = None) -> Discovery:
+def discover(
+    dirs: list[Path] | None = None, host: Host | None = None, check: Check | None = None
+) -> Discovery:
     """Every manifest in the manifest directories (highest priority first)."""
-    found, problems = _scan(paths.manifest_dirs() if dirs is None else dirs, host or this_host())
+    dirs = paths.manifest_dirs() if dirs is None else dirs
+    found, problems = _scan(dirs, host or this_host(), check)
     return _finish(found, problems)
 
 
-def check_paths(items: list[Path], host: Host | None = None) -> Discovery:
+def check_paths(
+    items: list[Path], host: Host | None = None, check: Check | None = None
+) -> Discovery:
     """`providerctl check PATH...`: files, `<slug>/` directories or manifest directories."""
     host = host or this_host()
     problems: list[Problem] = []
@@ -440,7 +451,7 @@ def check_paths(items: list[Path], host: Host | None = None) -> Discovery:
                     Problem(str(m), "", f'provider "{slug}" is also declared by {others}; keep one')
                 )
             continue
-        result = parse_file(paths_[0], slug, host)
+        result = parse_file(paths_[0], slug, host, check)
         if isinstance(result, list):
             problems.extend(result)
         else:
@@ -448,15 +459,15 @@ def check_paths(items: list[Path], host: Host | None = None) -> Discovery:
     return _finish(found, problems)
 
 
-def load(slug: str) -> Provider:
+def load(slug: str, check: Check | None = None) -> Provider:
     """The manifest of one provider, for the front at start. Raises ManifestError."""
     env = os.environ.get("PROVIDERD_MANIFEST")
     if env:
-        result = parse_file(Path(env), slug)
+        result = parse_file(Path(env), slug, check=check)
         if isinstance(result, list):
             raise ManifestError(result)
         return result
-    found = discover()
+    found = discover(check=check)
     if slug in found.providers:
         return found.providers[slug]
     mine = [p for p in found.problems if slug_of(Path(p.file)) == slug]
@@ -464,122 +475,6 @@ def load(slug: str) -> Provider:
         raise ManifestError(mine)
     where = ", ".join(str(d) for d in paths.manifest_dirs())
     raise ManifestError([Problem(slug, "", f'no manifest for provider "{slug}" in {where}')])
-
-
-# -- providerctl check -----------------------------------------------------------------------
-
-
-def _shell_word(arg: str) -> str:
-    return arg if re.fullmatch(r"[\w@%+=:,./{}-]+", arg) else shlex.quote(arg)
-
-
-def summary(p: Provider) -> str:
-    """One line for a valid provider: slug, address(es), command."""
-    addresses = ", ".join(str(a) for a in p.addresses)
-    run = f"launch {p.launch}" if p.launch else " ".join(_shell_word(a) for a in p.command)
-    state = "" if p.enabled else " (disabled)"
-    return f"{p.slug}: {addresses} ({p.protocol}){state} -> {run}"
-
-
-SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
-
-
-def credential_warnings(p: Provider) -> list[str]:
-    """One line per credential file that is missing or readable by others than root."""
-    lines = []
-    for name, path in p.credentials:
-        where = f"{p.source}: runtime.credentials.{name}: warning: {path}"
-        try:
-            st = os.stat(path)
-        except OSError as e:
-            lines.append(f"{where}: {e.strerror or e}; the worker will not start without it")
-            continue
-        if st.st_mode & 0o077 or st.st_uid != 0:
-            lines.append(
-                f"{where} is mode {stat.S_IMODE(st.st_mode):04o} owned by uid {st.st_uid}; "
-                "make it root's, mode 0600 (systemd gives the worker its own copy)"
-            )
-    return lines
-
-
-FRONT_USER = "providerd"  # the fronts and the router run as this user (the package makes it)
-
-
-def _can_read(path: Path, uid: int, gids: set[int], need: int) -> bool:
-    st = os.stat(path)
-    if st.st_uid == uid:
-        return bool(st.st_mode & (need << 6))
-    if st.st_gid in gids:
-        return bool(st.st_mode & (need << 3))
-    return bool(st.st_mode & need)
-
-
-def front_read_warnings(p: Provider) -> list[str]:
-    """A line when the user the front runs as cannot read this manifest (where it exists)."""
-    import grp
-    import pwd
-
-    try:
-        user = pwd.getpwnam(FRONT_USER)
-    except KeyError:
-        return []
-    gids = {user.pw_gid} | {g.gr_gid for g in grp.getgrall() if FRONT_USER in g.gr_mem}
-    try:
-        ok = _can_read(p.source, user.pw_uid, gids, 4) and all(
-            _can_read(d, user.pw_uid, gids, 1) for d in p.source.parents
-        )
-    except OSError:
-        return []
-    if ok:
-        return []
-    return [
-        f"{p.source}: warning: the user {FRONT_USER} cannot read this manifest, so the "
-        f"provider's front cannot start; make it 0644, or 0640 with group {FRONT_USER}"
-    ]
-
-
-def secret_warnings(p: Provider) -> list[str]:
-    """One line per environment variable whose name looks like a secret, and per
-    credential file that is missing or not root's alone."""
-    lines = credential_warnings(p)
-    for name, _ in p.environment:
-        if any(word in name.upper() for word in SECRET_WORDS):
-            lines.append(
-                f"{p.source}: runtime.environment.{name}: warning: looks like a secret; "
-                "environment values are shown to every local user by systemctl show. Put it in a "
-                f'root-only file and name it in [runtime] credentials = {{ {name} = "/etc/providerd/'
-                f'credentials/{p.slug}-{name.lower()}" }} (the model gets the same variable)'
-            )
-    return lines
-
-
-def main_check(items: list[str], out: TextIO, err: TextIO) -> int:
-    """`providerctl check [PATH...]`: every problem one line on `out`, exit 1 if any."""
-    from agent.spec.apikeys import check as check_keys
-
-    key_problems, keys_line = check_keys(items)
-    keys_file = os.path.abspath(paths.keys_file())
-    only_keys = bool(items) and all(os.path.abspath(i) == keys_file for i in items)
-    items = [i for i in items if os.path.abspath(i) != keys_file]
-    if only_keys:
-        found = Discovery()
-    else:
-        found = check_paths([Path(i) for i in items]) if items else discover()
-    for problem in [*found.problems, *key_problems]:
-        out.write(f"{problem}\n")
-    for p in found.providers.values():
-        for line in front_read_warnings(p) + secret_warnings(p):
-            err.write(line + "\n")
-    if found.problems or key_problems:
-        return 1
-    for p in found.providers.values():
-        out.write(printable(summary(p)) + "\n")
-    if keys_line is not None:
-        out.write(printable(keys_line) + "\n")
-    if not found.providers and not only_keys:
-        where = ", ".join(items) if items else ", ".join(str(d) for d in paths.manifest_dirs())
-        err.write(printable(f"providerctl: no manifests found in {where}") + "\n")
-    return 0
 
 
 def with_source(provider: Provider, source: Path) -> Provider:

@@ -19,28 +19,15 @@ table or key, or a value of the wrong kind, is a `Problem` printed as
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.spec import paths
 from agent.spec.files import FileProblem, contained, mode_problems, read_regular
+from agent.spec.keys import Key
 from agent.spec.provider import Address, Problem
-from agent.spec.values import (
-    Invalid,
-    did_you_mean,
-    expect_bool,
-    load_toml,
-    parse_address,
-    quote,
-    size_bytes,
-    unknown_table,
-)
-from agent.systemd.units import UNIT_DIR, Link, assignment, comment
+from agent.spec.values import CONVERTERS, Host, Invalid, did_you_mean, load_toml, unknown_table
 
-ROUTER_SOCKET = "providerd-router.socket"
-ROUTER_DROPIN = "50-config.conf"
-ROUTER_SOCKET_UNIT = f"{UNIT_DIR}/{ROUTER_SOCKET}"
 DEFAULT_ROUTER_ADDRESS = Address("127.0.0.1", 8100)
 DEFAULT_MAX_BODY = 16 << 20
 MIB = 1 << 20
@@ -81,59 +68,62 @@ class ConfigError(Exception):
         self.problems = problems
 
 
-# -- converters: TOML value → setting, or Invalid with what was expected -------------------
+# -- the keys: each a `Key` converted by its kind's converter, as a manifest's are --------------
 
-
-def _addresses(value: object) -> tuple[Address, ...]:
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(v, str) for v in items) or not items:
-        raise Invalid(
-            f'expected an address such as "127.0.0.1:8100" or a list of them, got {quote(value)}'
-        )
-    out: list[Address] = []
-    for text in items:
-        assert isinstance(text, str)
-        try:
-            address = parse_address(text)
-        except Exception as e:  # Invalid, or whatever else an odd address raises
-            raise Invalid(str(e)) from None
-        if address in out:
-            raise Invalid(f"{quote(text)} is listed twice")
-        out.append(address)
-    return tuple(out)
-
-
-def _size(value: object) -> int:
-    size = size_bytes(value, "KMG")
-    if size is None:
-        raise Invalid(
-            f'expected a size such as "16M" or "1G" (K, M, G: powers of 1024), got {quote(value)}'
-        )
-    if not 1024 <= size <= 4 * GIB:
-        raise Invalid(f"must be from 1K to 4G, got {quote(value)}")
-    return size
-
-
-def _number(low: float, high: float, unit: str) -> Callable[[object], float]:
-    def convert(value: object) -> float:
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise Invalid(f"expected a number{unit}, got {quote(value)}")
-        if not low <= value <= high:  # also refuses nan
-            raise Invalid(f"must be from {low:g} to {high:g}{unit}, got {quote(value)}")
-        return float(value)
-
-    return convert
-
-
-# (table, key) → (converter, field of the table's dataclass)
-_KEYS: dict[tuple[str, str], tuple[Callable[[object], object], str]] = {
-    ("router", "enabled"): (expect_bool, "enabled"),
-    ("router", "address"): (_addresses, "addresses"),
-    ("router", "max_body"): (_size, "max_body"),
-    ("router", "idle_timeout_s"): (_number(1, 7 * 86400, " (seconds)"), "idle_timeout_s"),
-    ("gpu", "headroom_gb"): (_number(0, 1024, " (GB)"), "headroom_gb"),
-}
+# key → field of its table's dataclass
+_FIELDS = {"address": "addresses"}
+KEYS: tuple[Key, ...] = (
+    Key(
+        "router",
+        "enabled",
+        "bool",
+        "boolean",
+        "false",
+        "providerctl serve runs the router; the generator links its socket into sockets.target.",
+    ),
+    Key(
+        "router",
+        "address",
+        "addresses",
+        "string or list of strings",
+        '"127.0.0.1:8100"',
+        'Where the router listens: "host:port", "[v6]:port" or an absolute unix socket path.',
+    ),
+    Key(
+        "router",
+        "max_body",
+        "size",
+        'size ("16M")',
+        '"16M"',
+        "Request bodies larger than this are answered 413.",
+        low=1 << 10,
+        high=4 * GIB,
+    ),
+    Key(
+        "router",
+        "idle_timeout_s",
+        "seconds",
+        "number (seconds)",
+        "600",
+        "The router's process exits after this long without requests.",
+        low=1,
+        high=7 * 86400,
+    ),
+    Key(
+        "gpu",
+        "headroom_gb",
+        "gigabytes",
+        "number (GB)",
+        "1.0",
+        "VRAM kept free on a card beyond a provider's need.",
+        low=0,
+        high=1024,
+    ),
+)
+_KEYS = {(k.section, k.name): k for k in KEYS}
 _TABLES = ("router", "gpu")
+# Converters read no host facts for these kinds.
+_NO_HOST = Host(cpu_count=1, exists=lambda path: False)
 
 
 def _unknown(table: str, key: str) -> str:
@@ -158,13 +148,13 @@ def parse(raw: bytes, source: Path) -> Config | list[Problem]:
             problems.append(Problem(file, table, f"expected a table [{table}], got a value"))
             continue
         for key, value in body.items():
-            entry = _KEYS.get((table, key))
-            if entry is None:
+            spec = _KEYS.get((table, key))
+            if spec is None:
                 problems.append(Problem(file, f"{table}.{key}", _unknown(table, key)))
                 continue
-            convert, name = entry
             try:
-                values[table][name] = convert(value)
+                field_name = _FIELDS.get(spec.name, spec.name)
+                values[table][field_name] = CONVERTERS[spec.kind](value, spec, _NO_HOST)
             except Invalid as e:
                 problems.append(Problem(file, f"{table}.{key}", str(e)))
     if problems:
@@ -197,28 +187,3 @@ def _load(path: Path) -> Config | list[Problem]:
     if isinstance(result, list):
         return problems + result
     return problems or result
-
-
-# -- what the generator writes for the router -------------------------------------------------
-
-
-def _listen_stream(address: Address) -> str:
-    return str(address).replace("%", "%%")
-
-
-def render_router(config: Config) -> dict[str, str | Link]:
-    """The generator's files for the router, by path relative to its output directory: the
-    socket's drop-in with the configured address(es), and a `sockets.target.wants/` link
-    to the socket unit when the router is enabled. Pure; raises units.Unrenderable for
-    a value a unit file would not carry as it is."""
-    source = config.source or paths.CONFIG
-    lines = [
-        comment(f"Generated by providerd-generator from {source}; edit that file, not this one."),
-        "[Socket]",
-        assignment("ListenStream", ""),
-        *(assignment("ListenStream", _listen_stream(a)) for a in config.router.addresses),
-    ]
-    files: dict[str, str | Link] = {f"{ROUTER_SOCKET}.d/{ROUTER_DROPIN}": "\n".join(lines) + "\n"}
-    if config.router.enabled:
-        files[f"sockets.target.wants/{ROUTER_SOCKET}"] = Link(ROUTER_SOCKET_UNIT)
-    return files

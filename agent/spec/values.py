@@ -17,12 +17,12 @@ import sys
 import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 from agent.spec.keys import Key
 from agent.spec.patterns import PatternError, compile_pattern
 from agent.spec.provider import PLACEHOLDERS, Address, Ready, fill_placeholders
+from agent.spec.sizes import format_size, size_bytes
 
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with the terminating NUL
 MAX_DEPTH = 32  # arrays and tables inside each other; no key needs more than 3
@@ -454,37 +454,7 @@ def _conv_urlpaths(value: object, key: Key, host: Host) -> tuple[str, ...]:
     return tuple(out)
 
 
-_SIZE_RE = re.compile(r"(\d+)(?:\.(\d+))?([KMGTPE]?)")
-_SIZE_UNITS = {
-    "": 1,
-    "K": 1 << 10,
-    "M": 1 << 20,
-    "G": 1 << 30,
-    "T": 1 << 40,
-    "P": 1 << 50,
-    "E": 1 << 60,
-}
 MIN_MEMORY = 1 << 20
-_SIZE_DIGITS = 40  # more than any size: a longer number is simply too large
-
-
-def size_bytes(value: object, units: str = "KMGTPE") -> int | None:
-    """Bytes for an integer or a text such as "1.5G" (powers of 1024, suffixes from
-    `units`), exactly, without floats; None when `value` has neither form. Numbers too
-    long to be a size come out larger than any limit."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if not isinstance(value, str) or not (m := _SIZE_RE.fullmatch(value.strip())):
-        return None
-    whole, frac, unit = m.group(1), m.group(2) or "", m.group(3)
-    if unit and unit not in units:
-        return None
-    if len(whole.lstrip("0")) > _SIZE_DIGITS:
-        return 1 << 200
-    number = Fraction(int(whole.lstrip("0") or "0")) + (
-        Fraction(int(frac[:_SIZE_DIGITS]), 10 ** len(frac[:_SIZE_DIGITS])) if frac else 0
-    )
-    return int(number * _SIZE_UNITS[unit])
 
 
 def _conv_size(value: object, key: Key, host: Host) -> int:
@@ -493,6 +463,13 @@ def _conv_size(value: object, key: Key, host: Host) -> int:
         raise Invalid(
             f'expected a size such as "24G" or "512M" (K, M, G, T: powers of 1024), got {quote(value)}'
         )
+    if key.low is not None or key.high is not None:  # a range of its own (providerd.toml)
+        low, high = int(key.low or 0), int(key.high or 1 << 62)
+        if not low <= size <= high:
+            raise Invalid(
+                f"must be from {format_size(low)} to {format_size(high)}, got {quote(value)}"
+            )
+        return size
     if size < MIN_MEMORY:
         raise Invalid(f"must be at least 1M, got {quote(value)}")
     if size >= 1 << 62:

@@ -16,10 +16,13 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from agent import atomic
+from agent.atomic import link_atomic
 from agent.spec import manifest
 from agent.spec import settings as config
 from agent.spec.provider import Problem, Provider, printable
-from agent.systemd import units
+from agent.systemd import manifests, router_units, units
+from agent.systemd.names import ROUTER_SOCKET
 
 PROG = units.GENERATOR
 
@@ -69,27 +72,10 @@ def skipped_lines(problems: list[Problem]) -> list[str]:
 
 def write_atomic(path: Path, content: str | units.Link, make_parent: bool = True) -> None:
     """Write `content` (text or a link) at `path` through a temporary name and a rename."""
-    if make_parent:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{path.parent}/.#{path.name}.{os.getpid()}"
-    try:
-        if isinstance(content, units.Link):
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
-            os.symlink(content.target, tmp)
-        else:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            try:
-                data = content.encode()
-                while data:
-                    data = data[os.write(fd, data) :]
-            finally:
-                os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
+    if isinstance(content, units.Link):
+        link_atomic(path, content.target, make_parent=make_parent)
+    else:  # under /run: no fsync, the next boot writes it afresh
+        atomic.write_atomic(path, content, 0o644, durable=False, make_parent=make_parent)
 
 
 def generate(providers: list[Provider], out: Path) -> list[str]:
@@ -116,16 +102,16 @@ def generate_router(out: Path) -> list[str]:
         settings = config.load()
     except config.ConfigError as e:
         return [str(p) for p in e.problems] + [
-            "Skipping the router's settings: providerd-router.socket keeps its default address"
+            f"Skipping the router's settings: {ROUTER_SOCKET} keeps its default address"
         ]
     if settings.source is None:
         return []
     try:
-        files = config.render_router(settings)
+        files = router_units.render_router(settings)
     except units.Unrenderable as e:
         return [
             f"{settings.source}: {e}",
-            "Skipping the router's settings: providerd-router.socket keeps its default address",
+            f"Skipping the router's settings: {ROUTER_SOCKET} keeps its default address",
         ]
     failures = []
     for path, content in files.items():
@@ -150,7 +136,7 @@ def main(argv: list[str], log: Log | None = None) -> int:
         except Exception as e:  # never fail the boot; the providers still get their units
             log(f"Failed to generate the router's settings: {e}")
         try:
-            found = manifest.discover()  # each file is its own boundary: this raises nothing
+            found = manifests.discover()  # each file is its own boundary: this raises nothing
         except Exception as e:  # never fail the boot
             log(f"Failed to read manifests: {e}")
             return 0

@@ -33,7 +33,8 @@ from typing import Any, Protocol, TextIO
 
 from agent.spec import manifest
 from agent.spec.provider import Provider
-from agent.systemd import generator, units
+from agent.systemd import generator, manifests, units
+from agent.systemd.names import ROUTER_DROPIN, ROUTER_SOCKET, SOCKET_TEMPLATE_NAME, TEMPLATES
 
 GENERATOR_DIR = Path("/run/systemd/generator")
 
@@ -205,11 +206,8 @@ def _run(action: Action, systemd: SystemdOps, out: TextIO) -> bool:
     return ok
 
 
-ROUTER_SOCKET = "providerd-router.socket"
-
-
 def _router_dropin() -> str | None:
-    path = generator_dir() / f"{ROUTER_SOCKET}.d" / "50-config.conf"
+    path = generator_dir() / f"{ROUTER_SOCKET}.d" / ROUTER_DROPIN
     try:
         return path.read_text()
     except OSError:
@@ -240,7 +238,7 @@ def reload(systemd: SystemdOps, out: TextIO) -> int:
     """Check manifests, reload systemd, and start/restart/stop what changed."""
     before = read_index(generator_dir())
     dropin_before = _router_dropin()
-    found = manifest.discover()
+    found = manifests.discover()
     for line in generator.skipped_lines(found.problems):
         out.write(line + "\n")
     bad = {manifest.slug_of(Path(p.file)) for p in found.problems}
@@ -265,7 +263,7 @@ def reload(systemd: SystemdOps, out: TextIO) -> int:
 def templates_dir() -> Path | None:
     """units/ beside the package in a source tree; installed templates are found by systemd."""
     here = Path(__file__).resolve().parents[2] / "units"
-    return here if (here / "provider@.socket").is_file() else None
+    return here if (here / SOCKET_TEMPLATE_NAME).is_file() else None
 
 
 def verify(providers: list[Provider], out: TextIO) -> bool:
@@ -279,7 +277,7 @@ def verify(providers: list[Provider], out: TextIO) -> bool:
         root = Path(tmp)
         src = templates_dir()
         if src is not None:
-            for t in ("provider@.socket", "provider@.service", "provider-worker@.service"):
+            for t in TEMPLATES:
                 shutil.copyfile(src / t, root / t)
         for line in generator.generate(providers, root):
             out.write(line + "\n")
@@ -314,7 +312,7 @@ def verify(providers: list[Provider], out: TextIO) -> bool:
 
 def dry_run(out: TextIO) -> int:
     """Print what the generator would write, `---path---` then the content; then verify."""
-    found = manifest.discover()
+    found = manifests.discover()
     providers = list(found.providers.values())
     for path, content in units.render_all(providers).items():
         if isinstance(content, units.Link):

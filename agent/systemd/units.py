@@ -9,20 +9,58 @@ relative to the generator's output directory to the file's text or a `Link`.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import ipaddress
 import json
-import re
-from dataclasses import dataclass
 
+from agent.spec.keys import becomes
 from agent.spec.provider import Provider
+from agent.spec.sizes import format_size
+from agent.systemd import router_units
+from agent.systemd.names import (
+    DROPIN,
+    FRONT_TEMPLATE,
+    GENERATOR,
+    ROUTER_SERVICE,
+    SOCKET_TEMPLATE,
+    UNIT_DIR,
+    front_unit,
+    socket_unit,
+    worker_unit,
+)
+from agent.systemd.quoting import (
+    Assignment,
+    Link,
+    Unrenderable,
+    assignment,
+    comment,
+    dropin_text,
+    environment_assignment,
+    escape_specifiers,
+    exec_line,
+    exec_word,
+    one_line,
+    seconds,
+)
 
-GENERATOR = "providerd-generator"
-DROPIN = "50-manifest.conf"
-UNIT_DIR = "/lib/systemd/system"
-SOCKET_TEMPLATE = f"{UNIT_DIR}/provider@.socket"
-FRONT_TEMPLATE = f"{UNIT_DIR}/provider@.service"
+__all__ = [  # what other modules take from here, the names and the quoting included
+    "DROPIN",
+    "GENERATOR",
+    "ROUTER_SERVICE",
+    "UNIT_DIR",
+    "Assignment",
+    "Link",
+    "Unrenderable",
+    "assignment",
+    "comment",
+    "environment_assignment",
+    "exec_line",
+    "exec_word",
+    "format_size",
+    "front_unit",
+    "socket_unit",
+    "worker_unit",
+]
+
 PYTHON = "/usr/bin/python3"
 INDEX = "providerd.json"
 # agent.spec.paths.backoff_file() at its default place, as a unit specifier.
@@ -34,142 +72,28 @@ FRONT_STOP_MARGIN_S = 30  # the front's TimeoutStopSec= is stop_timeout_s plus t
 # providers' manifests); a working directory below them is bound back in read-only.
 HIDDEN_FROM_WORKER = ("/etc/providerd", "/usr/lib/providerd")
 
-
-@dataclass(frozen=True)
-class Link:
-    """A symbolic link to `target`."""
-
-    target: str
-
-
-class Unrenderable(ValueError):
-    """A value that a unit file would not carry as it is: a line break would start a new
-    directive, a trailing backslash would swallow the next line. The last guard, whatever
-    the manifest's checks let through."""
-
-    def __init__(self, directive: str, reason: str) -> None:
-        super().__init__(f"cannot be written safely as {directive}: the value {reason}")
-        self.directive = directive
-
-
-# (section, directive, value exactly as written in the file)
-Assignment = tuple[str, str, str]
-
-# systemd ends a line at \n, \r and NUL; other control characters have no business in a unit.
-_UNSAFE = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")
-
-
-def _check(directive: str, value: str) -> None:
-    if m := _UNSAFE.search(value):
-        raise Unrenderable(directive, f"holds the control character U+{ord(m.group()):04X}")
-    if value.endswith("\\"):
-        raise Unrenderable(directive, "ends with '\\', which would continue it onto the next line")
-    if value != value.strip(" "):
-        raise Unrenderable(directive, "starts or ends with a space, which systemd drops")
-
-
-def assignment(directive: str, value: str) -> str:
-    """`Directive=value` as one line, or Unrenderable if systemd would read it otherwise."""
-    _check(f"{directive}=", value)
-    return f"{directive}={value}"
-
-
-def comment(text: str) -> str:
-    """`# text` as one line (a comment never continues, but a line break would end it)."""
-    _check("a comment", text.replace("\\", "/"))
-    return f"# {text}"
-
-
-def dropin_text(head: str, assignments: list[Assignment]) -> str:
-    """A drop-in: the `head` comment, then each section's assignments, in order."""
-    lines = [comment(head)]
-    section = None
-    for sec, directive, value in assignments:
-        if sec != section:
-            lines += ["", f"[{sec}]"]
-            section = sec
-        lines.append(assignment(directive, value))
-    return "\n".join(lines) + "\n"
-
-
-def socket_unit(slug: str) -> str:
-    return f"provider@{slug}.socket"
-
-
-def front_unit(slug: str) -> str:
-    return f"provider@{slug}.service"
-
-
-def worker_unit(slug: str) -> str:
-    return f"provider-worker@{slug}.service"
-
-
-# -- quoting -----------------------------------------------------------------------------
-
-_SAFE_WORD = re.compile(r"[A-Za-z0-9_@%+=:,./{}$^~-]+")
-
-
-_NEEDS_ESCAPE = re.compile(r'[\\"\x00-\x1f\x7f]')
-
-
-def _c_escape(text: str) -> str:
-    if not _NEEDS_ESCAPE.search(text):
-        return text
-    out = []
-    for c in text:
-        if c == "\\":
-            out.append("\\\\")
-        elif c == '"':
-            out.append('\\"')
-        elif c == "\n":
-            out.append("\\n")
-        elif c == "\t":
-            out.append("\\t")
-        elif ord(c) < 0x20 or ord(c) == 0x7F:
-            out.append(f"\\x{ord(c):02x}")
-        else:
-            out.append(c)
-    return "".join(out)
-
-
-def escape_specifiers(text: str) -> str:
-    """`%` → `%%`: systemd expands specifiers in almost every value."""
-    return text.replace("%", "%%")
-
-
-def exec_word(word: str) -> str:
-    """One argv item for ExecStart=: `%`→`%%`, `$`→`$$`, C-style quoting where needed."""
-    word = escape_specifiers(word).replace("$", "$$")
-    if _SAFE_WORD.fullmatch(word):
-        return word
-    return '"' + _c_escape(word) + '"'
-
-
-def exec_line(argv: list[str]) -> str:
-    return " ".join(exec_word(w) for w in argv)
-
-
-def environment_assignment(name: str, value: str) -> str:
-    """The value of one Environment= line: `$` stays literal there, `%` does not."""
-    return '"' + _c_escape(escape_specifiers(f"{name}={value}")) + '"'
-
-
-def _one_line(text: str) -> str:
-    return escape_specifiers(" ".join(text.split()))
-
-
-def _seconds(value: float) -> str:
-    return f"{int(value)}s" if float(value).is_integer() else f"{value:g}s"
-
-
-_SIZE_SUFFIXES = (("E", 60), ("P", 50), ("T", 40), ("G", 30), ("M", 20), ("K", 10))
-
-
-def format_size(size: int) -> str:
-    for suffix, shift in _SIZE_SUFFIXES:
-        if size >= 1 << shift and size % (1 << shift) == 0:
-            return f"{size >> shift}{suffix}"
-    return str(size)
+# The directive each manifest key becomes, as the key table says (tests/unit/test_keys_render.py
+# renders every key and checks it lands there).
+(LISTEN_STREAM,) = becomes("listen.address", "socket")
+IP_DENY, IP_ALLOW = becomes("listen.allow", "socket")
+(SOCKET_MODE,) = becomes("listen.socket_mode", "socket")
+(SOCKET_GROUP,) = becomes("listen.socket_group", "socket")
+(SOCKETS_WANTS,) = becomes("enabled", "link")
+(BOOT_WANTS,) = becomes("runtime.preload", "link")
+(FRONT_STOP_TIMEOUT,) = becomes("runtime.stop_timeout_s", "front")
+(FRONT_PRIVATE_NETWORK,) = becomes("isolation.network", "front")
+(EXEC_START,) = becomes("runtime.command", "worker")
+(ENVIRONMENT,) = becomes("runtime.environment", "worker")
+(WORKING_DIRECTORY,) = becomes("runtime.working_directory", "worker")
+(LOAD_CREDENTIAL,) = becomes("runtime.credentials", "worker")
+(START_TIMEOUT,) = becomes("runtime.start_timeout_s", "worker")
+(MEMORY_MAX,) = becomes("limits.memory_max", "worker")
+(MEMORY_HIGH,) = becomes("limits.memory_high", "worker")
+(CPU_QUOTA,) = becomes("limits.cpu_quota", "worker")
+(TASKS_MAX,) = becomes("limits.tasks_max", "worker")
+(WEIGHTS,) = becomes("weights.paths", "worker")
+(GPU_DEVICES,) = becomes("gpu.devices", "worker")
+(WORKER_PRIVATE_NETWORK,) = becomes("isolation.network", "worker")
 
 
 # -- the worker wrapper --------------------------------------------------------------------
@@ -205,19 +129,19 @@ def _unit(provider: Provider, role: str) -> list[Assignment]:
     what = f": {provider.description}" if provider.description else ""
     return [
         ("Unit", "SourcePath", escape_specifiers(str(provider.source))),
-        ("Unit", "Description", f"Provider {provider.slug}{_one_line(what)} ({role})"),
+        ("Unit", "Description", f"Provider {provider.slug}{one_line(what)} ({role})"),
     ]
 
 
 def socket_assignments(provider: Provider) -> list[Assignment]:
     out = _unit(provider, "listener")
-    out += [("Socket", "ListenStream", escape_specifiers(str(a))) for a in provider.addresses]
+    out += [("Socket", LISTEN_STREAM, escape_specifiers(str(a))) for a in provider.addresses]
     if any(a.is_unix for a in provider.addresses):
-        out.append(("Socket", "SocketMode", f"{provider.socket_mode:04o}"))
-        out.append(("Socket", "SocketGroup", escape_specifiers(provider.socket_group)))
+        out.append(("Socket", SOCKET_MODE, f"{provider.socket_mode:04o}"))
+        out.append(("Socket", SOCKET_GROUP, escape_specifiers(provider.socket_group)))
     if provider.allow:
-        out.append(("Socket", "IPAddressDeny", "any"))
-        out.append(("Socket", "IPAddressAllow", " ".join(provider.allow)))
+        out.append(("Socket", IP_DENY, "any"))
+        out.append(("Socket", IP_ALLOW, " ".join(provider.allow)))
     return out
 
 
@@ -225,9 +149,9 @@ def front_assignments(provider: Provider) -> list[Assignment]:
     out = _unit(provider, "front")
     env = environment_assignment("PROVIDERD_MANIFEST", str(provider.source))
     lines = [("Environment", env)]
-    lines.append(("TimeoutStopSec", _seconds(provider.stop_timeout_s + FRONT_STOP_MARGIN_S)))
+    lines.append((FRONT_STOP_TIMEOUT, seconds(provider.stop_timeout_s + FRONT_STOP_MARGIN_S)))
     if provider.network == "host":
-        lines.append(("PrivateNetwork", "no"))
+        lines.append((FRONT_PRIVATE_NETWORK, "no"))
     if provider.uses_gpu:
         # NVML for placement and budgets; the front runs no CUDA.
         lines += [
@@ -252,40 +176,44 @@ def worker_assignments(provider: Provider, python: str = PYTHON) -> list[Assignm
             ("Unit", "ConditionPathExists", f"|!{KEYS_FILE}"),
             ("Unit", "ConditionPathExists", f"|{WORKER_ENV_FILE}"),
         ]
-    lines = [("ExecStart", ""), ("ExecStart", exec_line(worker_argv(provider, python)))]
+    lines = [(EXEC_START, ""), (EXEC_START, exec_line(worker_argv(provider, python)))]
     if provider.known_worker_port:
         port = str(provider.known_worker_port)
         lines.append(("Environment", environment_assignment("PROVIDERD_WORKER_PORT", port)))
     if provider.network == "host":  # also when systemd starts it beside the front
         host = worker_loopback(provider.slug)
         lines.append(("Environment", environment_assignment("PROVIDERD_WORKER_HOST", host)))
-    lines += [("Environment", environment_assignment(k, v)) for k, v in provider.environment]
+    lines += [(ENVIRONMENT, environment_assignment(k, v)) for k, v in provider.environment]
     if provider.working_directory:
-        lines.append(("WorkingDirectory", escape_specifiers(provider.working_directory)))
+        lines.append((WORKING_DIRECTORY, escape_specifiers(provider.working_directory)))
         if _below(provider.working_directory, HIDDEN_FROM_WORKER):
             lines.append(("BindReadOnlyPaths", escape_specifiers(provider.working_directory)))
     lines += [
-        ("LoadCredential", f"{name}:{escape_specifiers(path)}")
+        (LOAD_CREDENTIAL, f"{name}:{escape_specifiers(path)}")
         for name, path in provider.credentials
     ]
-    lines.append(("TimeoutStartSec", _seconds(provider.start_timeout_s)))
+    lines.append((START_TIMEOUT, seconds(provider.start_timeout_s)))
     if provider.memory_max is not None:
-        lines.append(("MemoryMax", format_size(provider.memory_max)))
+        lines.append((MEMORY_MAX, format_size(provider.memory_max)))
     if provider.memory_high is not None:
-        lines.append(("MemoryHigh", format_size(provider.memory_high)))
+        lines.append((MEMORY_HIGH, format_size(provider.memory_high)))
     if provider.cpu_quota is not None:
-        lines.append(("CPUQuota", f"{provider.cpu_quota}%"))
+        lines.append((CPU_QUOTA, f"{provider.cpu_quota}%"))
     if provider.tasks_max is not None:
-        lines.append(("TasksMax", str(provider.tasks_max)))
-    lines += [("BindReadOnlyPaths", escape_specifiers(p)) for p in provider.weight_paths]
+        lines.append((TASKS_MAX, str(provider.tasks_max)))
+    lines += [(WEIGHTS, escape_specifiers(p)) for p in provider.weight_paths]
     if provider.uses_gpu:
         # Shared by every card; the card itself (/dev/nvidiaN) is allowed by the front at each start.
-        lines += [("DeviceAllow", "/dev/nvidiactl rw"), ("DeviceAllow", "char-nvidia-uvm rw")]
+        lines += [(GPU_DEVICES, "/dev/nvidiactl rw"), (GPU_DEVICES, "char-nvidia-uvm rw")]
     if provider.network == "host":
         # Any address but the other loopback ones (other fronts, the router): see
         # docs/security.md for what a host-network worker gives up.
         own = worker_loopback(provider.slug)
-        lines += [("PrivateNetwork", "no"), ("IPAddressDeny", ""), ("IPAddressDeny", "localhost")]
+        lines += [
+            (WORKER_PRIVATE_NETWORK, "no"),
+            ("IPAddressDeny", ""),
+            ("IPAddressDeny", "localhost"),
+        ]
         lines += [("IPAddressAllow", ""), ("IPAddressAllow", f"{own}/32")]
     return out + [("Service", k, v) for k, v in lines]
 
@@ -320,15 +248,6 @@ def intended(provider: Provider, python: str = PYTHON) -> dict[str, list[Assignm
 def render(provider: Provider, python: str = PYTHON) -> dict[str, str | Link]:
     """Every file the generator writes for one provider, by path relative to its output dir.
     Raises Unrenderable for a value that a unit file would not carry as it is."""
-    try:
-        hash(provider)
-    except TypeError:  # a Provider built with a list somewhere: render it afresh
-        return dict(_render.__wrapped__(provider, python))
-    return dict(_render(provider, python))
-
-
-@functools.lru_cache(maxsize=1 << 15)  # validation renders each provider once, the generator again
-def _render(provider: Provider, python: str) -> dict[str, str | Link]:
     slug = provider.slug
     files: dict[str, str | Link] = {
         f"{socket_unit(slug)}.d/{DROPIN}": render_socket(provider),
@@ -336,11 +255,11 @@ def _render(provider: Provider, python: str) -> dict[str, str | Link]:
         f"{worker_unit(slug)}.d/{DROPIN}": render_worker(provider, python),
     }
     if provider.enabled:
-        files[f"sockets.target.wants/{socket_unit(slug)}"] = Link(SOCKET_TEMPLATE)
+        files[f"{SOCKETS_WANTS}/{socket_unit(slug)}"] = Link(SOCKET_TEMPLATE)
     if provider.enabled and provider.preload:
         # The front at boot: it Requires= and is After= its socket, reports READY at once
         # (the boot does not wait for the model) and starts the worker as on any activation.
-        files[f"multi-user.target.wants/{front_unit(slug)}"] = Link(FRONT_TEMPLATE)
+        files[f"{BOOT_WANTS}/{front_unit(slug)}"] = Link(FRONT_TEMPLATE)
     return files
 
 
@@ -372,32 +291,9 @@ def render_index(providers: list[Provider], python: str = PYTHON) -> str:
     return json.dumps({"providers": entries}, indent=2, sort_keys=True) + "\n"
 
 
-ROUTER_SERVICE = "providerd-router.service"
-
-
-def render_router_allow(providers: list[Provider]) -> dict[str, str | Link]:
-    """The router may connect to loopback only (its static unit); a provider listening on
-    another address of this host adds that address to its allow-list."""
-    hosts: set[str] = set()
-    for p in providers:
-        for a in p.addresses:
-            if a.host is None:
-                continue
-            ip = ipaddress.ip_address(a.host.partition("%")[0])
-            if not (ip.is_loopback or ip.is_unspecified):
-                hosts.add(str(ip))
-    if not hosts:
-        return {}
-    head = f"{GENERATOR}: the providers' addresses the router may connect to"
-    allow = [("Service", "IPAddressAllow", " ".join(sorted(hosts)))]
-    return {
-        f"{ROUTER_SERVICE}.d/{DROPIN}": dropin_text(f"Automatically generated by {head}", allow)
-    }
-
-
 def render_all(providers: list[Provider], python: str = PYTHON) -> dict[str, str | Link]:
     """All providers' files plus the index, sorted by path."""
-    files: dict[str, str | Link] = {**render_router_allow(providers)}
+    files: dict[str, str | Link] = {**router_units.render_router_allow(providers)}
     entries: dict[str, object] = {}
     for p in providers:
         mine = render(p, python)

@@ -17,7 +17,7 @@ from cases.harness import CASES, REPO, directives, write
 from agent.spec import manifest, values
 from agent.spec import settings as config
 from agent.spec.provider import Provider
-from agent.systemd import generator
+from agent.systemd import generator, manifests
 
 GOOD = '[listen]\naddress = "127.0.0.1:18010"\n[runtime]\ncommand = ["/bin/true"]\n'
 HOSTILE = sorted(p for p in (CASES / "invalid").glob("*.toml") if directives(p, "expect"))
@@ -265,7 +265,7 @@ def test_the_renderer_refuses_what_a_check_let_through(
         '[listen]\naddress = ["[::1%lo\\nExecStartPre=pwned\\n#]:18012"]\n'
         '[runtime]\ncommand = ["/bin/true"]\n',
     )
-    found = manifest.discover([tmp_path])
+    found = manifests.discover([tmp_path])
     assert list(found.providers) == ["good"]
     assert [str(p) for p in found.problems] == [
         f"{bad}: cannot be written safely as ListenStream=: the value holds the control "

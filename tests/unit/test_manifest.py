@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from cases.harness import ANY_PATHS_HOST, CASE_HOST, CASES, EXAMPLES, directives, install, write
 
+from agent.cli import check
 from agent.spec import keys, manifest, values
 from agent.spec.provider import Address, Provider, Ready
 from agent.systemd import units
@@ -177,7 +178,7 @@ def test_directory_named_like_a_manifest(tmp_path: Path) -> None:
     r = manifest.parse_file(d)
     assert isinstance(r, list) and r[0].message == "is a directory, expected a manifest file"
     out = io.StringIO()
-    assert manifest.main_check([str(tmp_path)], out, io.StringIO()) == 1
+    assert check.main_check([str(tmp_path)], out, io.StringIO()) == 1
     assert out.getvalue() == f"{d}: is a directory, expected a manifest file\n"
 
 
@@ -368,7 +369,7 @@ def test_check_prints_every_problem_one_line_and_exits_1(tmp_path: Path) -> None
     bad = write(tmp_path, "bad.toml", '[listen]\naddress = "127.0.0.1:0"\n[runtime]\ncomand = []\n')
     write(tmp_path, "good.toml", MINIMAL)
     out, err = io.StringIO(), io.StringIO()
-    assert manifest.main_check([str(tmp_path)], out, err) == 1
+    assert check.main_check([str(tmp_path)], out, err) == 1
     assert out.getvalue().splitlines() == [
         f'{bad}: listen.address: port must be from 1 to 65535, got "0" in "127.0.0.1:0"',
         f'{bad}: runtime.comand: unknown key (did you mean "command"?)',
@@ -391,7 +392,7 @@ def test_check_summarises_valid_providers(tmp_path: Path, monkeypatch: pytest.Mo
     )
     monkeypatch.setenv("PROVIDERD_MANIFEST_DIRS", str(tmp_path))
     out = io.StringIO()
-    assert manifest.main_check([], out, io.StringIO()) == 0
+    assert check.main_check([], out, io.StringIO()) == 0
     assert out.getvalue() == (
         "one: 127.0.0.1:8008 (http) -> /opt/s --port {port} 'a b'\n"
         "two: [::1]:1, /run/t.sock (tcp) (disabled) -> launch p.m:f\n"
@@ -401,7 +402,7 @@ def test_check_summarises_valid_providers(tmp_path: Path, monkeypatch: pytest.Mo
 def test_check_with_nothing_to_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PROVIDERD_MANIFEST_DIRS", str(tmp_path / "none"))
     out, err = io.StringIO(), io.StringIO()
-    assert manifest.main_check([], out, err) == 0
+    assert check.main_check([], out, err) == 0
     assert out.getvalue() == "" and "no manifests found" in err.getvalue()
 
 
@@ -442,7 +443,7 @@ def test_check_reads_each_file_once(tmp_path: Path) -> None:
     bad.write_bytes(b"\xff")
     bad.chmod(0o644)
     out = io.StringIO()
-    assert manifest.main_check([str(bad), str(tmp_path)], out, io.StringIO()) == 1
+    assert check.main_check([str(bad), str(tmp_path)], out, io.StringIO()) == 1
     assert out.getvalue() == f"{bad}: is not UTF-8 text (byte 0); a manifest is a TOML file\n"
 
 
@@ -554,7 +555,7 @@ def test_check_warns_of_secret_looking_environment(tmp_path: Path) -> None:
     env = 'environment = { HF_TOKEN = "hf_x", OPENAI_API_KEY = "k", DB_PASSWORD = "p", HF_HOME = "/h" }\n'
     path = write(tmp_path / "providers", "w.toml", MINIMAL + env)
     out, err = io.StringIO(), io.StringIO()
-    assert manifest.main_check([str(path)], out, err) == 0  # a warning, not a problem
+    assert check.main_check([str(path)], out, err) == 0  # a warning, not a problem
     warnings = err.getvalue().splitlines()
     assert [w.split(": ")[1] for w in warnings] == [
         "runtime.environment.HF_TOKEN",
@@ -573,7 +574,7 @@ def test_check_warns_of_missing_or_readable_credentials(tmp_path: Path) -> None:
     creds = f'credentials = {{ GONE = "{tmp_path}/gone", OPEN = "{readable}" }}\n'
     path = write(tmp_path / "providers", "c.toml", MINIMAL + creds)
     out, err = io.StringIO(), io.StringIO()
-    assert manifest.main_check([str(path)], out, err) == 0
+    assert check.main_check([str(path)], out, err) == 0
     gone, loose = err.getvalue().splitlines()
     assert gone.startswith(f"{path}: runtime.credentials.GONE: warning: {tmp_path}/gone: No such")
     assert "the worker will not start without it" in gone
@@ -594,10 +595,10 @@ def test_check_warns_when_the_front_user_cannot_read_a_manifest(
         base.chmod(0o755)
         path = write(base / "providers", "r.toml", MINIMAL)
         out, err = io.StringIO(), io.StringIO()
-        assert manifest.main_check([str(path)], out, err) == 0
+        assert check.main_check([str(path)], out, err) == 0
         assert err.getvalue() == ""
         path.chmod(0o600)
-        assert manifest.main_check([str(path)], out, err) == 0
+        assert check.main_check([str(path)], out, err) == 0
         assert err.getvalue() == (
             f"{path}: warning: the user providerd cannot read this manifest, so the provider's "
             "front cannot start; make it 0644, or 0640 with group providerd\n"

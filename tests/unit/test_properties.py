@@ -27,7 +27,7 @@ from agent.spec import manifest
 from agent.spec import settings as config
 from agent.spec.patterns import PatternError, compile_pattern
 from agent.spec.provider import Address, Problem, Provider
-from agent.systemd import units
+from agent.systemd import router_units, units
 
 SOURCE = Path("/etc/providerd/providers/prop.toml")
 SEEDS = seeds()
@@ -103,7 +103,7 @@ def test_config_bytes_never_raise(raw: bytes) -> None:
     path = Path("/etc/providerd/providerd.toml")
     result = config.parse(raw, path)
     if isinstance(result, config.Config):
-        assert config.render_router(result)
+        assert router_units.render_router(result)
     else:
         assert_problems(result, str(path))
 

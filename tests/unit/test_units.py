@@ -29,7 +29,7 @@ from cases.harness import (
 
 from agent.spec import manifest
 from agent.spec.provider import Address, Provider
-from agent.systemd import generator, units
+from agent.systemd import generator, router_units, units
 
 GOLDEN = sorted((CASES / "golden").glob("*.toml"))
 UPDATE = os.environ.get("PROVIDERD_UPDATE_GOLDEN") == "1"
@@ -327,8 +327,10 @@ def test_the_router_may_connect_to_the_providers_own_addresses_only() -> None:
         addresses = tuple(Address(h, 8000) for h in hosts)
         return Provider(slug="r", source=Path("/r.toml"), addresses=addresses)
 
-    assert units.render_router_allow([at("127.0.0.1", "0.0.0.0", "::", "::1")]) == {}
-    files = units.render_router_allow([at("10.1.2.3", "127.0.0.1"), at("fe80::1%eth0", "10.1.2.3")])
+    assert router_units.render_router_allow([at("127.0.0.1", "0.0.0.0", "::", "::1")]) == {}
+    files = router_units.render_router_allow(
+        [at("10.1.2.3", "127.0.0.1"), at("fe80::1%eth0", "10.1.2.3")]
+    )
     text = files["providerd-router.service.d/50-manifest.conf"]
     assert isinstance(text, str)
     assert values(text, "Service", "IPAddressAllow") == ["10.1.2.3 fe80::1"]
