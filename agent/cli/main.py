@@ -19,7 +19,8 @@ from typing import Any, NoReturn, TextIO
 from agent import __version__
 from agent.net import counters, rpc
 from agent.spec import paths
-from agent.systemd import preload
+from agent.spec.sizes import approx_size
+from agent.systemd import names, preload
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INACTIVE, EXIT_NO_SUCH = 0, 1, 2, 3, 4
 
@@ -168,19 +169,12 @@ def provider_status(slug: str, provider: Any) -> dict[str, Any]:
     if provider is not None:
         status["listen"] = [str(a) for a in provider.addresses]
         status["description"] = provider.description
-        status["socket"] = _unit_active(f"provider@{slug}.socket")
+        status["socket"] = _unit_active(names.socket_unit(slug))
     return status
 
 
 def _size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "K", "M", "G", "T"):
-        if value < 1024 or unit == "T":
-            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
-        value /= 1024
-    return f"{n}B"
+    return "-" if n is None else approx_size(n)
 
 
 def print_status(status: dict[str, Any], out: TextIO) -> None:
@@ -278,9 +272,10 @@ def cmd_warm(args: argparse.Namespace) -> int:
     if slug not in running:
         if not systemd_booted():
             return fail(f"{slug} is not being served", "start it with 'providerctl serve PATH...'")
-        result = subprocess.run(["systemctl", "start", f"provider@{slug}.service"], check=False)
+        front = names.front_unit(slug)
+        result = subprocess.run(["systemctl", "start", front], check=False)
         if result.returncode != 0:
-            return fail(f"failed to start provider@{slug}.service")
+            return fail(f"failed to start {front}")
         # Polling is the only way here: the control socket is the front's (another
         # process), which creates it just after READY=1, the point where `systemctl
         # start` returns, and the standard library has nothing (no inotify) to wait on
@@ -325,9 +320,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
     argv = [
         "journalctl",
         "-u",
-        f"provider@{args.slug}.service",
+        names.front_unit(args.slug),
         "-u",
-        f"provider-worker@{args.slug}.service",
+        names.worker_unit(args.slug),
     ]
     if args.follow:
         argv.append("-f")

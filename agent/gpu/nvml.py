@@ -26,6 +26,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
+from agent.spec.sizes import HUMAN_MEBI, approx_size
+
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -76,9 +78,7 @@ class Nvml(Protocol):
 
 def format_bytes(n: int) -> str:
     """Bytes for people: GiB with one decimal, MiB below one GiB."""
-    if abs(n) >= GIB:
-        return f"{n / GIB:.1f} GiB"
-    return f"{n / MIB:.0f} MiB"
+    return approx_size(n, HUMAN_MEBI)
 
 
 # --- the real thing -------------------------------------------------------------

@@ -336,8 +336,9 @@ def main(argv: list[str]) -> int:
             return 1
     else:
         from agent.systemd.activation import inherited_listeners
+        from agent.systemd.names import METRICS_SOCKET
 
-        listeners = inherited_listeners("providerd-metrics.socket")
+        listeners = inherited_listeners(METRICS_SOCKET)
     with contextlib.suppress(KeyboardInterrupt):
         return asyncio.run(run(listeners, args.idle_timeout, systemd=args.listen is None))
     return 0

@@ -48,3 +48,20 @@ def format_size(
         if size >= 1 << shift and size % (1 << shift) == 0:
             return f"{size >> shift}{suffix}"
     return plain.format(size)
+
+
+# For people, approximately: the first suffix is the floor and is shown whole.
+HUMAN_SUFFIXES = (("B", 0), ("K", 10), ("M", 20), ("G", 30), ("T", 40))
+HUMAN_MEBI = ((" MiB", 20), (" GiB", 30))
+
+
+def approx_size(size: int, suffixes: Sequence[tuple[str, int]] = HUMAN_SUFFIXES) -> str:
+    """`size` in the largest of `suffixes` (smallest first) that it reaches, with one
+    decimal; in the first (the floor) as a whole number: "512B", "1.5G", "900 MiB"."""
+    name, shift = suffixes[0]
+    floor = suffixes[0]
+    for suffix in suffixes[1:]:
+        if abs(size) >= 1 << suffix[1]:
+            name, shift = suffix
+    value = size / (1 << shift)
+    return f"{value:.0f}{name}" if (name, shift) == floor else f"{value:.1f}{name}"

@@ -27,6 +27,7 @@ from agent.spec import paths
 from agent.spec.files import write_atomic
 from agent.spec.provider import Address, Ready
 from agent.systemd.bus import Systemd
+from agent.systemd.names import worker_unit
 from agent.worker import wrapper as worker
 from agent.worker.readiness import until_answers
 
@@ -90,7 +91,7 @@ class SystemdWorker:
         # How the front sees for itself that the model answers, while the start job runs
         # (agent.worker.readiness); None: the job's end alone says so.
         self.ready = ready if ready is not None and ready.kind != "notify" else None
-        self.unit = f"provider-worker@{slug}.service"
+        self.unit = worker_unit(slug)
         self.start_timeout_s = start_timeout_s
         # systemd started the worker on the front's own activation: the first start joins
         # that one (or reports its failure) instead of starting the model a second time.
