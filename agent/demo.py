@@ -42,6 +42,7 @@ from types import FrameType
 from typing import Any
 
 from agent.atomic import write_atomic
+from agent.errors import ProviderdError
 
 BUCKETS = 2048
 SEED = 20240601
@@ -147,7 +148,9 @@ def count_tokens(text: str) -> int:
 # -- HTTP
 
 
-class BadRequest(Exception):
+class BadRequest(ProviderdError):
+    code = "bad_request"
+
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status

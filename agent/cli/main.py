@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from agent import __version__
+from agent.errors import ProviderdError
 from agent.net import counters, rpc
 from agent.spec import paths
 from agent.spec.sizes import approx_size
@@ -25,8 +26,10 @@ from agent.systemd import names, preload
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INACTIVE, EXIT_NO_SUCH = 0, 1, 2, 3, 4
 
 
-class Usage(Exception):
-    pass
+class Usage(ProviderdError):
+    """A command line argparse refuses; the message is argparse's."""
+
+    code = "usage"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -420,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return EXIT_OK
+    except ProviderdError as e:  # one of ours a verb did not handle: its message and hint
+        return fail(e.message, e.hint)
     return code
 
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from agent import signals
+from agent.errors import ProviderdError
 from agent.front.front import Front, admission_for
 from agent.net import rpc
 from agent.router.router import Router, RouterError, close_foreground, foreground
@@ -31,8 +32,10 @@ from agent.worker.control import ProcessWorker
 log = logging.getLogger("providerd")
 
 
-class ServeError(Exception):
-    pass
+class ServeError(ProviderdError):
+    """Foreground serving cannot start; the message says why."""
+
+    code = "serve_failed"
 
 
 def bind(address: Address) -> socket.socket:

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import TextIO
 
+from agent.errors import ProviderdError
 from agent.export import kubernetes, yamltext
 from agent.spec import paths
 from agent.spec.files import write_atomic
@@ -21,8 +22,10 @@ _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
-class UsageError(Exception):
+class UsageError(ProviderdError):
     """An option value that cannot be used; the message says what is expected."""
+
+    code = "usage"
 
 
 def options(

@@ -527,7 +527,8 @@ class Front:
             self._record_preload()
             self.counters.count_start_failure()
             self._flush()
-            body = getattr(e, "body", None)
+            refusal = getattr(e, "refusal", None)  # a GPU refusal: the 503 carries its details
+            body = refusal.body() if refusal is not None else None
             extra: dict[str, object] = {}
             if isinstance(body, dict):
                 reason = str(body.get("message", reason))

@@ -41,12 +41,16 @@ __all__ = ["ControlPeers", "GpuAdmission", "GpuRefused", "cards_status"]
 
 
 class GpuRefused(StartFailed):
-    """Admission could not fit the provider; `body` is the JSON for the 503."""
+    """Admission could not fit the provider; `body()` is the JSON for the 503."""
+
+    code = "gpu_unavailable"  # as Refusal.body()'s "error"
 
     def __init__(self, refusal: Refusal) -> None:
         super().__init__(refusal.message)
         self.refusal = refusal
-        self.body = refusal.body()
+
+    def body(self) -> dict[str, Any]:
+        return self.refusal.body()
 
 
 class GpuAdmission(Admission):

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from agent.errors import ProviderdError
 from agent.gpu.footprint import Footprints
 from agent.gpu.nvml import (
     MIB,
@@ -67,7 +68,9 @@ class Peers(Protocol):
         ...
 
 
-class AdmissionRefused(Exception):
+class AdmissionRefused(ProviderdError):
+    code = "gpu_unavailable"  # as Refusal.body()'s "error"
+
     def __init__(self, refusal: Refusal) -> None:
         super().__init__(refusal.message)
         self.refusal = refusal

@@ -26,6 +26,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
+from agent.errors import ProviderdError
 from agent.spec.sizes import HUMAN_MEBI, approx_size
 
 GIB = 1 << 30
@@ -34,8 +35,10 @@ MIB = 1 << 20
 FAKE_ENV = "PROVIDERD_NVML_FAKE"
 
 
-class NvmlUnavailable(RuntimeError):
+class NvmlUnavailable(ProviderdError, RuntimeError):
     """NVML cannot be used on this host; the message says why."""
+
+    code = "nvml_unavailable"
 
     def __init__(self, why: str) -> None:
         super().__init__(f"NVML is unavailable: {why}")

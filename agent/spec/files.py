@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from agent.atomic import write_atomic
+from agent.errors import ProviderdError
 from agent.spec.provider import Problem, printable
 from agent.spec.sizes import format_size
 
@@ -37,13 +38,14 @@ __all__ = [
 T = TypeVar("T")
 
 
-class FileProblem(Exception):
+class FileProblem(ProviderdError):
     """A file that cannot be read; `message` is the line to print, `missing` tells a
     file that does not exist from one that cannot be used."""
 
+    code = "unusable_file"
+
     def __init__(self, message: str, missing: bool = False) -> None:
         super().__init__(message)
-        self.message = message
         self.missing = missing
 
 

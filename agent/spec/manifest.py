@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from agent.errors import ProviderdError
 from agent.spec import paths
 from agent.spec.files import FileProblem, contained, mode_problems, read_regular
 from agent.spec.keys import BY_DOTTED, KEYS, SECTIONS, Key
@@ -43,11 +44,15 @@ DIR_MANIFEST = "provider.toml"
 MAX_MANIFEST_BYTES = 1 << 20
 
 
-class ManifestError(Exception):
+class ManifestError(ProviderdError):
     """A manifest could not be used; `problems` says why, one line each."""
 
+    code = "invalid_manifest"
+
     def __init__(self, problems: list[Problem]) -> None:
-        super().__init__("\n".join(str(p) for p in problems))
+        super().__init__(
+            "\n".join(str(p) for p in problems), hint="'providerctl check' lists every problem"
+        )
         self.problems = problems
 
 

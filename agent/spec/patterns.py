@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.errors import ProviderdError
+
 _parser: Any = importlib.import_module("re._parser")  # the stdlib's own parser (3.11+)
 
 MAX_PROGRAM = 4096  # steps of a compiled pattern
@@ -32,8 +34,10 @@ MAX_DEPTH = 32  # groups, alternations and repeats inside each other
 _MAXREPEAT: int = _parser.MAXREPEAT
 
 
-class PatternError(ValueError):
+class PatternError(ProviderdError, ValueError):
     """A pattern that cannot be checked in linear time (or at all); the message says why."""
+
+    code = "invalid_pattern"
 
 
 # Instructions: ("char", predicate) consumes one character; ("split", a, b) and

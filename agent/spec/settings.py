@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.errors import ProviderdError
 from agent.spec import paths
 from agent.spec.files import FileProblem, contained, mode_problems, read_regular
 from agent.spec.keys import Key
@@ -60,11 +61,16 @@ class Config:
     source: Path | None = None  # the file read; None when it does not exist
 
 
-class ConfigError(Exception):
+class ConfigError(ProviderdError):
     """The settings file cannot be used; `problems` say why, one line each."""
 
+    code = "invalid_settings"
+
     def __init__(self, problems: list[Problem]) -> None:
-        super().__init__("; ".join(str(p) for p in problems))
+        super().__init__(
+            "; ".join(str(p) for p in problems),
+            hint="fix providerd.toml (its keys are listed in providerd.toml(5))",
+        )
         self.problems = problems
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from agent.errors import ProviderdError
 from agent.spec.keys import Key
 from agent.spec.patterns import PatternError, compile_pattern
 from agent.spec.provider import PLACEHOLDERS, Address, Ready, fill_placeholders
@@ -41,9 +42,11 @@ def this_host() -> Host:
     return Host(cpu_count=os.cpu_count() or 1, exists=os.path.exists)
 
 
-class Invalid(Exception):
+class Invalid(ProviderdError):
     """A TOML value that cannot be used; the message says what was expected (for a
     `Problem`). Raised by the converters here and by agent.spec.settings."""
+
+    code = "invalid_value"
 
 
 # -- strict TOML checking, shared with agent.spec.settings -----------------------------------------

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from agent.errors import ProviderdError
 from agent.spec import manifest
 from agent.spec.provider import Provider
 from agent.systemd import generator, manifests, units
@@ -44,8 +45,10 @@ def generator_dir() -> Path:
     return Path(os.environ.get("PROVIDERD_GENERATOR_DIR", GENERATOR_DIR))
 
 
-class SystemdError(Exception):
+class SystemdError(ProviderdError):
     """A systemd operation failed; the message is systemd's own."""
+
+    code = "systemd_failed"
 
 
 class SystemdOps(Protocol):

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from agent.errors import ProviderdError
 from agent.spec import paths
 from agent.spec.files import write_atomic
 from agent.spec.provider import Address, Ready
@@ -35,8 +36,10 @@ ExitCallback = Callable[[str], None]
 DeviceRules = Sequence[tuple[str, str]]
 
 
-class StartFailed(Exception):
+class StartFailed(ProviderdError):
     """The worker did not become ready."""
+
+    code = "start_failed"
 
     def __init__(self, reason: str, log_tail: Sequence[str] = ()) -> None:
         super().__init__(reason)

@@ -60,6 +60,7 @@ import select
 import sys
 import time
 
+from agent.errors import ProviderdError
 from agent.spec.placeholders import PLACEHOLDERS, fill_placeholders
 from agent.systemd.notify import notify
 
@@ -90,12 +91,14 @@ PROBE_TIMEOUT_S = 2.0
 RELAYED = ("STATUS=", "EXTEND_TIMEOUT_USEC=", "ERRNO=", "WATCHDOG=", "STOPPING=")
 
 
-class Failure(Exception):
-    """Something the wrapper cannot do; `code` is its exit status."""
+class Failure(ProviderdError):
+    """Something the wrapper cannot do; `exit_status` is its exit status."""
 
-    def __init__(self, message: str, code: int = 2) -> None:
+    code = "worker_wrapper_failed"
+
+    def __init__(self, message: str, exit_status: int = 2) -> None:
         super().__init__(message)
-        self.code = code
+        self.exit_status = exit_status
 
 
 class Options:
@@ -639,7 +642,7 @@ def main(args: list[str] | None = None) -> int:
     except Failure as e:
         log(f"agent.worker: {e}")
         log(USAGE.rstrip("\n"))
-        return e.code
+        return e.exit_status
     try:
         values = placeholder_values(options.slug, os.environ)
         argv = options.argv if options.launch is None else resolve_launch(options.launch)
@@ -651,4 +654,4 @@ def main(args: list[str] | None = None) -> int:
     except Failure as e:
         log(str(e))
         notify(f"STATUS={e}")
-        return e.code
+        return e.exit_status

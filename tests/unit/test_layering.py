@@ -14,8 +14,8 @@ import pytest
 AGENT = Path(__file__).resolve().parents[2] / "agent"
 
 LAYERS: list[set[str]] = [
-    {"atomic"},
-    {"log", "demo", "errors", "signals", "_vendor"},
+    {"atomic", "errors"},
+    {"log", "demo", "signals", "_vendor"},
     {"spec"},
     {"systemd"},
     {"net"},

@@ -56,7 +56,7 @@ def test_parse_errors(args: list[str], message: str) -> None:
     with pytest.raises(Failure) as e:
         worker.parse_args(args)
     assert message in str(e.value)
-    assert e.value.code == 2
+    assert e.value.exit_status == 2
 
 
 VALUES = {"port": "8123", "host": "127.0.0.1", "slug": "esm", "python": "/usr/bin/python3"}
@@ -138,7 +138,7 @@ def test_launch_errors_are_one_line(launchers: str, function: str, message: str)
         worker.resolve_launch(f"{launchers}:{function}")
     assert message.format(m=launchers) in str(e.value)
     assert "\n" not in str(e.value)
-    assert e.value.code == 2
+    assert e.value.exit_status == 2
 
 
 def test_launch_form() -> None:
