@@ -13,13 +13,16 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from agent import __version__
 from agent.errors import ProviderdError
+from agent.front.status import STATUS_VERSION, ProviderStatus, inactive
 from agent.net import counters, rpc
 from agent.spec import paths
+from agent.spec.provider import Provider
 from agent.spec.sizes import approx_size
 from agent.systemd import names, preload
 
@@ -138,88 +141,65 @@ def _unit_active(unit: str) -> str:
     return result.stdout.strip() or "unknown"
 
 
-# `providerctl status --json` (docs/status.md): fields are only added within a version;
-# a field removed or changed in meaning raises it.
-STATUS_VERSION = 1
-
-
-def provider_status(slug: str, provider: Any) -> dict[str, Any]:
+def provider_status(slug: str, provider: Provider | None) -> ProviderStatus:
     """One provider's status: from its front when it runs, else what the manifest says."""
-    status: dict[str, Any]
     try:
-        status = rpc.call(paths.control_socket(slug), {"op": "status"}, timeout=5)
-        status["front"] = "running"
+        answer = rpc.call(paths.control_socket(slug), {"op": "status"}, timeout=5)
+        record = replace(ProviderStatus.from_json(answer), front="running")
     except rpc.RpcError:
-        status = {
-            "slug": slug,
-            "state": "inactive",
-            "in_flight": 0,
-            "waiting": 0,
-            "to_worker": 0,
-            "served": None,
-            "idle_for_s": None,
-            "last_used": None,
-            "last_start": None,
-            "failure": None,
-            "retry_after_s": None,
-            "memory": {"current": None, "max": None},
-            "gpu": {},
-            "pinned": bool(provider is not None and provider.pinned),
-            "counters": counters.read(slug),
-            "front": "inactive",
-        }
-    status["preloaded"] = preload.read(slug)
+        pinned = bool(provider is not None and provider.pinned)
+        record = inactive(slug, pinned, counters.read(slug))
+    record = replace(record, preloaded=preload.read(slug))
     if provider is not None:
-        status["listen"] = [str(a) for a in provider.addresses]
-        status["description"] = provider.description
-        status["socket"] = _unit_active(names.socket_unit(slug))
-    return status
+        listen = [str(a) for a in provider.addresses]
+        socket = _unit_active(names.socket_unit(slug))
+        record = record.with_manifest(listen, provider.description, socket)
+    return record
 
 
 def _size(n: int | None) -> str:
     return "-" if n is None else approx_size(n)
 
 
-def print_status(status: dict[str, Any], out: TextIO) -> None:
-    dot = {"ready": "●", "starting": "◐", "backoff": "x"}.get(status["state"], "○")
-    title = f"{dot} {status['slug']}"
-    if status.get("description"):
-        title += f" — {status['description']}"
+def print_status(status: ProviderStatus, out: TextIO) -> None:
+    dot = {"ready": "●", "starting": "◐", "backoff": "x"}.get(status.state, "○")
+    title = f"{dot} {status.slug}"
+    if status.description:
+        title += f" — {status.description}"
     print(title, file=out)
-    if status.get("listen"):
-        sock = status.get("socket", "unknown")
+    if status.listen:
+        sock = status.socket or "unknown"
         sock_text = "" if sock == "unknown" else f" (socket {sock})"
-        print(f"      Listen: {', '.join(status['listen'])}{sock_text}", file=out)
-    state = status["state"]
-    line = f"{state}, {status['in_flight']} in flight, {status['waiting']} waiting"
-    if status.get("served") is not None:
-        line += f", {status['served']} served"
-    if status.get("idle_for_s") is not None:
-        line += f", idle for {status['idle_for_s']:g} s"
+        print(f"      Listen: {', '.join(status.listen)}{sock_text}", file=out)
+    line = f"{status.state}, {status.in_flight} in flight, {status.waiting} waiting"
+    if status.served is not None:
+        line += f", {status.served} served"
+    if status.idle_for_s is not None:
+        line += f", idle for {status.idle_for_s:g} s"
     print(f"       State: {line}", file=out)
-    if status.get("failure"):
-        retry = status.get("retry_after_s")
+    if status.failure:
+        retry = status.retry_after_s
         extra = f" (next try in {retry:g} s)" if retry else ""
-        print(f"     Failure: {status['failure']}{extra}", file=out)
-    if status.get("last_start"):
-        ls = status["last_start"]
+        print(f"     Failure: {status.failure}{extra}", file=out)
+    if status.last_start:
+        ls = status.last_start
         ago = time.time() - ls["at"]
         print(f"  Last start: {ago:.0f} s ago, took {ls['took_s']:g} s ({ls['result']})", file=out)
-    if status.get("preloaded"):
-        pl = status["preloaded"]
+    if status.preloaded:
+        pl = status.preloaded
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(pl.get("at") or 0))
         took = pl.get("took_s")
         took_text = f", took {took:g} s" if isinstance(took, (int, float)) else ""
         print(f"   Preloaded: at boot, {when}{took_text} ({pl.get('result')})", file=out)
-    if status.get("pinned"):
+    if status.pinned:
         print(
             "      Pinned: never released when idle, never retired for another provider", file=out
         )
-    memory = status.get("memory") or {}
-    if memory.get("current") is not None or memory.get("max") is not None:
-        limit = f" (max {_size(memory.get('max'))})" if memory.get("max") else ""
-        print(f"      Memory: {_size(memory.get('current'))}{limit}", file=out)
-    gpu = status.get("gpu") or {}
+    memory = status.memory
+    if memory.current is not None or memory.max is not None:
+        limit = f" (max {_size(memory.max)})" if memory.max else ""
+        print(f"      Memory: {_size(memory.current)}{limit}", file=out)
+    gpu = status.gpu
     if gpu:
         used = _size(gpu.get("used_bytes"))
         budget = _size(gpu.get("budget_bytes"))
@@ -237,23 +217,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     statuses = [provider_status(slug, providers.get(slug)) for slug in slugs]
     cards = _gpu_cards()
     if args.json:
-        doc = {"version": STATUS_VERSION, "providers": statuses, "gpus": cards}
+        providers_json = [s.to_json() for s in statuses]
+        doc = {"version": STATUS_VERSION, "providers": providers_json, "gpus": cards}
         json.dump(doc, sys.stdout, indent=2)
         print()
     else:
         if not statuses:
             print_no_providers(broken, sys.stdout)
-        for i, status in enumerate(statuses):
+        for i, record in enumerate(statuses):
             if i:
                 print()
-            print_status(status, sys.stdout)
+            print_status(record, sys.stdout)
         for card in cards:
             holders = ", ".join(card.get("held_by", [])) or "nobody"
             print(
                 f"\nGPU {card['index']} {card.get('name', '')} {card['uuid']}: "
                 f"{_size(card['free_bytes'])} free of {_size(card['total_bytes'])}, held by {holders}"
             )
-    if args.slugs and all(s["state"] == "inactive" for s in statuses):
+    if args.slugs and all(s.state == "inactive" for s in statuses):
         return EXIT_INACTIVE
     return EXIT_OK
 

@@ -35,6 +35,7 @@ from agent.front import backoff as saved_backoff
 from agent.front.gate import Gate
 from agent.front.hooks import Admission
 from agent.front.state import Action, Event, Mode, State, step
+from agent.front.status import Memory, ProviderStatus
 from agent.net import auth, counters
 from agent.net.answers import Answer
 from agent.net.http import RequestHead
@@ -705,24 +706,24 @@ class Front:
         try:
             memory = await asyncio.wait_for(self.worker.memory(), 2)
         except Exception:
-            memory = {"current": None, "max": None}
-        return {
-            "slug": self.provider.slug,
-            "state": self.state.shown,
-            "in_flight": self.in_flight,
-            "waiting": len(self.waiters) + self.upstream.waiting,
-            "to_worker": self.upstream.in_use,
-            "served": self.served,
-            "idle_for_s": idle_for,
-            "last_used": self.last_used,
-            "last_start": self.last_start,
-            "failure": self.failure,
-            "retry_after_s": retry,
-            "memory": memory,
-            "gpu": self.admission.status(self),
-            "pinned": self.provider.pinned,
-            "counters": self.counters.to_json(),
-        }
+            memory = {}
+        return ProviderStatus(
+            slug=self.provider.slug,
+            state=self.state.shown,
+            in_flight=self.in_flight,
+            waiting=len(self.waiters) + self.upstream.waiting,
+            to_worker=self.upstream.in_use,
+            served=self.served,
+            idle_for_s=idle_for,
+            last_used=self.last_used,
+            last_start=self.last_start,
+            failure=self.failure,
+            retry_after_s=retry,
+            memory=Memory(memory.get("current"), memory.get("max")),
+            gpu=self.admission.status(self),
+            pinned=self.provider.pinned,
+            counters=self.counters.to_json(),
+        ).to_json()
 
     def _update_status(self) -> None:
         if self.state == State.READY:

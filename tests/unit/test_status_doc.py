@@ -60,7 +60,7 @@ def front_status() -> dict[str, Any]:
 def test_every_provider_field_is_documented_and_both_paths_agree(tmp_path: Path) -> None:
     doc = documented()
     running = front_status() | {"front": "running", "preloaded": None}  # what the CLI adds
-    inactive = cli.provider_status("nothing_runs_here", None)
+    inactive = cli.provider_status("nothing_runs_here", None).to_json()
     assert set(running) == set(inactive)  # a running front and an inactive one: one shape
     from_manifest = {"listen", "description", "socket"}
     assert set(running) | from_manifest == doc["providers"]
