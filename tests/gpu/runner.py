@@ -15,10 +15,10 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # this tier's helpers, and tests/support
 os.environ["PROVIDERD_GPU_RUNNER"] = "1"
 
-import support  # noqa: E402
+import gpu_tier  # noqa: E402
 
 
 def main(files: list[str]) -> int:
@@ -27,13 +27,13 @@ def main(files: list[str]) -> int:
     lines: list[str] = []
     failed = 0
     for name in files:
-        for test, fn in support.tests_in(Path(name).resolve()):
+        for test, fn in gpu_tier.tests_in(Path(name).resolve()):
             print(test, flush=True)
             t0 = time.monotonic()
             try:
                 fn()
                 result = "PASS"
-            except support.Skip as e:
+            except gpu_tier.Skip as e:
                 result = f"SKIP ({e})"
             except BaseException as e:
                 if type(e).__name__ == "Skipped":
@@ -51,7 +51,7 @@ def main(files: list[str]) -> int:
         "# command: tests/gpu/run.sh",
         "",
     ]
-    text = "\n".join(header + lines + ["", "## figures", *support.FIGURES]) + "\n"
+    text = "\n".join(header + lines + ["", "## figures", *gpu_tier.FIGURES]) + "\n"
     (out / "gpu.txt").write_text(text)
     print(text)
     return 1 if failed else 0

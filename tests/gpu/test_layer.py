@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from support import (
+from gpu_tier import (
     GIB,
     MIB,
     Held,
@@ -85,7 +85,7 @@ def test_placement_reaches_cuda() -> None:
     import subprocess
     import sys
 
-    from support import WORKER
+    from gpu_tier import WORKER
 
     out = subprocess.run(
         [sys.executable, str(WORKER), "probe"],

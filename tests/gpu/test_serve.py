@@ -12,47 +12,18 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from support import GIB, ROOT, WORKER, card, card_by_uuid, figure, skip
-
-
-def serve_env(tmp: Path, mdir: Path) -> dict[str, str]:
-    """The environment of a `providerctl serve` with its state under `tmp`, manifests in `mdir`."""
-    return {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "PROVIDERD_RUNTIME_DIR": str(tmp / "run"),
-        "PROVIDERD_STATE_DIR": str(tmp / "state"),
-        "PROVIDERD_TRUSTED_UID": str(os.getuid()),
-        "PROVIDERD_MANIFEST_DIRS": str(mdir),
-    }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def get(port: int, path: str, timeout: float = 120) -> tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        body = e.read()
-        try:
-            return e.code, json.loads(body)
-        except ValueError:
-            return e.code, body.decode(errors="replace")
+from gpu_tier import GIB, ROOT, WORKER, card, card_by_uuid, figure, skip
+from support.net import free_port, wait_port
+from support.net import get_json as get
+from support.serve import Served, serve_env
 
 
 def alive(pid: int) -> bool:
@@ -109,38 +80,6 @@ enforce = "stop"
     return f
 
 
-class Serve:
-    def __init__(self, manifests: list[Path], env: dict[str, str], log: Path) -> None:
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agent", "serve", *map(str, manifests)],
-            cwd=ROOT,
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
-def wait_port(port: int, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise AssertionError(f"nothing listens on port {port}")
-
-
 def test_three_providers_over_budget_idle_release_and_placement() -> None:
     try:
         import agent.cli.serve
@@ -164,8 +103,8 @@ def test_three_providers_over_budget_idle_release_and_placement() -> None:
         manifest(mdir, "e", ports["e"], 4 * GIB, 3 * GIB, 3),
     ]
     out = Path(os.environ.get("OUT", tmp))
-    env = serve_env(tmp, mdir)
-    serve = Serve(manifests, env, out / "gpu-serve.log")
+    env = serve_env(tmp, PYTHONPATH=str(ROOT), PROVIDERD_MANIFEST_DIRS=str(mdir))
+    serve = Served(manifests, env, cwd=ROOT, log_file=out / "gpu-serve.log")
     try:
         for p in ports.values():
             wait_port(p)
@@ -240,7 +179,7 @@ def test_three_providers_over_budget_idle_release_and_placement() -> None:
         figure("serve: memory back after the idle deadline", f"{back:.3f} s (idle_timeout_s = 3)")
         assert -0.5 < back < 1.0
     finally:
-        serve.stop()
+        serve.stop(signal.SIGINT)
 
 
 def test_pinned_and_priorities_decide_who_gives_way() -> None:
@@ -267,8 +206,8 @@ def test_pinned_and_priorities_decide_who_gives_way() -> None:
         manifest(mdir, "top", ports["top"], share, alloc, 120, gpu="priority = 9"),
     ]
     out = Path(os.environ.get("OUT", tmp))
-    env = serve_env(tmp, mdir)
-    serve = Serve(manifests, env, out / "gpu-priority.log")
+    env = serve_env(tmp, PYTHONPATH=str(ROOT), PROVIDERD_MANIFEST_DIRS=str(mdir))
+    serve = Served(manifests, env, cwd=ROOT, log_file=out / "gpu-priority.log")
     try:
         for p in ports.values():
             wait_port(p)
@@ -301,4 +240,4 @@ def test_pinned_and_priorities_decide_who_gives_way() -> None:
         assert by_slug["pin"]["pinned"] is True and by_slug["pin"]["state"] == "ready"
         assert by_slug["top"]["gpu"]["priority"] == 9
     finally:
-        serve.stop()
+        serve.stop(signal.SIGINT)

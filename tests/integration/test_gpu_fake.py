@@ -21,12 +21,12 @@ import pytest
 GPU_TIER = Path(__file__).resolve().parents[1] / "gpu"
 sys.path.insert(0, str(GPU_TIER))
 
-import support  # noqa: E402
+import gpu_tier  # noqa: E402
 
 from agent.gpu.nvml import FAKE_ENV, GIB  # noqa: E402
 
 SCENARIOS = [
-    t for name in ("test_layer", "test_serve") for t in support.tests_in(GPU_TIER / f"{name}.py")
+    t for name in ("test_layer", "test_serve") for t in gpu_tier.tests_in(GPU_TIER / f"{name}.py")
 ]
 
 
@@ -39,9 +39,9 @@ def fake_card(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
     (d / "cards.json").write_text(json.dumps([card]))
     monkeypatch.setenv(FAKE_ENV, str(d))
     monkeypatch.setenv("OUT", str(tmp_path))
-    support._nvml = None
+    gpu_tier._nvml = None
     yield d
-    support._nvml = None
+    gpu_tier._nvml = None
 
 
 def test_the_scenarios_are_all_here() -> None:

@@ -19,33 +19,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support.net import accepts, free_port, get
+from support.paths import MISBEHAVE as MISBEHAVE_PATH
+from support.paths import ROOT
 
 from tests.integration.conftest import alive
 
-ROOT = Path(__file__).resolve().parents[2]
-MISBEHAVE = str(ROOT / "tests" / "workers" / "misbehave.py")
+MISBEHAVE = str(MISBEHAVE_PATH)
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def accepts(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def get(port: int, path: str) -> tuple[int, bytes]:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        c.request("GET", path)
-        r = c.getresponse()
-        return r.status, r.read()
-    finally:
-        c.close()
 
 
 def wait_until(what: str, check: Callable[[], object], timeout: float = 10) -> None:

@@ -6,7 +6,6 @@ import http.client
 import json
 import math
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,11 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.net import accepts, free_port
+from support.paths import ROOT
 
 from agent import demo
 from agent.demo import Server, Weights
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -213,17 +212,6 @@ def test_bad_json(server: int) -> None:
 
 
 # -- the program: load delay, memory, clean stop -------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def accepts(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_listens_only_after_the_load_and_stops_cleanly(tmp_path: Path) -> None:

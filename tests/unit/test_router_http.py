@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support.rawhttp import RawClient, Reader, Request, read_request
 
 from agent.net import ratelog, sockio
-from agent.net.http import ChunkedScanner, find_head_end, parse_request_head
 from agent.router import router as router_module
 from agent.router.router import Router, Table
 from agent.spec.provider import Address, Provider
@@ -64,38 +64,17 @@ class FakeProvider:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        buf = b""
+        reader = Reader(conn)
+
+        def interim(head: Request) -> None:
+            if head.expect_continue and self.continue_first:
+                conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+
         with conn:
-            while True:
-                while (end := find_head_end(buf, 0, len(buf))) < 0:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    buf += data
-                head = parse_request_head(buf[:end])
-                if head.expect_continue and self.continue_first:
-                    conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-                if head.body == "chunked":
-                    scanner = ChunkedScanner()
-                    at = scanner.scan(buf, end, len(buf))
-                    while at < 0:
-                        data = conn.recv(65536)
-                        if not data:
-                            return
-                        before = len(buf)
-                        buf += data
-                        at = scanner.scan(buf, before, len(buf))
-                else:
-                    at = end + head.length
-                    while len(buf) < at:
-                        data = conn.recv(65536)
-                        if not data:
-                            return
-                        buf += data
-                request, buf = buf[:at], buf[at:]
-                self.requests.append(request)
-                self.answer(conn, request)
-                if not head.keep_alive:
+            while (request := read_request(reader, interim)) is not None:
+                self.requests.append(request.raw)
+                self.answer(conn, request.raw)
+                if not request.keep_alive:
                     return
 
     def provider(self, names: tuple[str, ...] = (), patterns: tuple[str, ...] = ()) -> Provider:
@@ -205,58 +184,12 @@ def close_clients() -> Iterator[None]:
         _clients.pop().close()
 
 
-class Client:
+class Client(RawClient):
+    """A raw client (tests/support/rawhttp.py: not the product's parser), closed after the test."""
+
     def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        super().__init__(port)
         _clients.append(self.sock)
-        self.buf = b""
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def _fill(self) -> bool:
-        data = self.sock.recv(65536)
-        self.buf += data
-        return bool(data)
-
-    def response(self) -> tuple[int, dict[str, str], bytes]:
-        """One response (Content-Length or chunked body), interim ones included as their own."""
-        while (end := find_head_end(self.buf, 0, len(self.buf))) < 0:
-            assert self._fill(), f"connection closed; got {self.buf!r}"
-        head, self.buf = self.buf[:end], self.buf[end:]
-        lines = head.decode("latin-1").split("\r\n")
-        status = int(lines[0].split()[1])
-        headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:] if x)}
-        if status < 200:
-            return status, headers, b""
-        if headers.get("transfer-encoding") == "chunked":
-            scanner = ChunkedScanner()
-            at = scanner.scan(self.buf, 0, len(self.buf))
-            while at < 0:
-                before = len(self.buf)
-                assert self._fill()
-                at = scanner.scan(self.buf, before, len(self.buf))
-            from agent.router.router import dechunk
-
-            body, self.buf = dechunk(self.buf, 0, at), self.buf[at:]
-            return status, headers, body
-        n = int(headers.get("content-length", "0"))
-        while len(self.buf) < n:
-            assert self._fill()
-        body, self.buf = self.buf[:n], self.buf[n:]
-        return status, headers, body
-
-    def closed(self) -> bool:
-        """The router closed the connection (after whatever it sent)."""
-        try:
-            while self._fill():
-                pass
-        except ConnectionResetError:
-            pass
-        return True
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def post(model: str, path: str = "/v1/chat/completions", extra: bytes = b"") -> bytes:
@@ -528,10 +461,8 @@ def test_models_are_listed_without_touching_a_provider(
     c.send(
         b"HEAD /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n"
     )
-    while (end := find_head_end(c.buf, 0, len(c.buf))) < 0:
-        assert c._fill()
-    assert c.buf.startswith(b"HTTP/1.1 200 OK\r\n")
-    c.buf = c.buf[end:]  # a HEAD answer has no body: the next bytes are the next response
+    head = c.reader.head()  # a HEAD answer has no body: the next bytes are the next response
+    assert head is not None and head.startswith(b"HTTP/1.1 200 OK\r\n")
     status, _, body = c.response()
     assert status == 200 and json.loads(body)["object"] == "list"
     assert alpha.connections == 0 and beta.connections == 0
@@ -560,8 +491,8 @@ def test_a_streamed_response_passes_through_as_it_is_produced(
     r = start(sse.provider(names=("s",)))
     c = Client(r.port)
     c.send(post("s"))
-    while b'data: {"token": "one"}' not in c.buf:
-        assert c._fill()
+    while b'data: {"token": "one"}' not in c.reader.buf:
+        assert c.reader.fill()
     first_seen.set()
     status, headers, body = c.response()
     assert status == 200 and headers["content-type"] == "text/event-stream"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.paths import ROOT
 
 from agent.cli import main as cli
 from agent.front.front import Front
@@ -22,7 +23,6 @@ from agent.front.gpu_hooks import GpuAdmission, cards_status
 from agent.gpu.nvml import FAKE_ENV, GIB
 from tests.unit.test_front import InProcessWorker, provider
 
-ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "status.md"
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.net import free_port
 
 from agent.systemd.notify import notify
 from agent.worker import wrapper as worker
@@ -177,12 +178,6 @@ def listener() -> Iterator[socket.socket]:
         s.bind(("127.0.0.1", 0))
         s.listen()
         yield s
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_tcp_probe(listener: socket.socket) -> None:

@@ -35,6 +35,7 @@ def vm(pytestconfig: pytest.Config) -> dict[str, dict[str, Any]]:
         HERE / "payload" / "run_tests.py",
         REPO / "tests/system/probe_worker.py",
         REPO / "tests/gpu/cuda_worker.py",
+        REPO / "tests/support",  # the helpers run_tests.py imports
         deb,
     ]
     try:

@@ -48,7 +48,12 @@ def run_payload(
         raise RuntimeError(f"cannot build the VM image:\n{r.stdout}{r.stderr}")
     boot.image_s = time.monotonic() - t0
     for src in files:
-        shutil.copy2(src, work / "payload" / src.name)
+        if src.is_dir():
+            shutil.copytree(
+                src, work / "payload" / src.name, ignore=shutil.ignore_patterns("__pycache__")
+            )
+        else:
+            shutil.copy2(src, work / "payload" / src.name)
     subprocess.run(
         ["mkfs.ext4", "-q", "-F", "-d", str(work / "payload"), str(work / "payload.img"), "64M"],
         check=True, capture_output=True,

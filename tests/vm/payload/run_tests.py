@@ -14,15 +14,15 @@ import functools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from support.net import accepts
+from support.net import fetch as get
 
 CI = "/usr/local/lib/providerd-ci"
 PROBE = f"{CI}/probe_worker.py"
@@ -41,28 +41,8 @@ def sh(cmd: str, timeout: float = 300, keep: int = 6000) -> dict[str, Any]:
     return {"rc": p.returncode, "out": p.stdout[-keep:], "err": p.stderr[-4000:]}
 
 
-def get(url: str, timeout: float = 120) -> dict[str, Any]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return {
-                "status": r.status,
-                "headers": dict(r.headers),
-                "body": r.read().decode(errors="replace"),
-            }
-    except urllib.error.HTTPError as e:
-        return {
-            "status": e.code,
-            "headers": dict(e.headers),
-            "body": e.read().decode(errors="replace"),
-        }
-    except Exception as e:
-        return {"status": None, "error": repr(e)}
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+# The payload disk carries tests/support beside this file.
+listening = functools.partial(accepts, timeout=5)
 
 
 def manifest(port: int, args: list[str], limits: str, idle: float = 60) -> str:

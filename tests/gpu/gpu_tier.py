@@ -19,7 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.paths import ROOT
+
 WORKER = Path(__file__).resolve().parent / "cuda_worker.py"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
