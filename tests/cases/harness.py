@@ -8,10 +8,12 @@ import os
 import shutil
 from pathlib import Path
 
+from support.paths import ROOT
+
 from agent.spec.values import Host
 
 CASES = Path(__file__).resolve().parent
-REPO = CASES.parent.parent
+REPO = ROOT
 EXAMPLES = REPO / "examples"
 UNITS = REPO / "units"
 

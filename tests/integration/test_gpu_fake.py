@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support.paths import TESTS
 
-GPU_TIER = Path(__file__).resolve().parents[1] / "gpu"
+GPU_TIER = TESTS / "gpu"
 sys.path.insert(0, str(GPU_TIER))
 
 import gpu_tier  # noqa: E402

@@ -14,11 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.paths import ROOT
 
 from .nspawn import Container, installed
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+REPO = ROOT
 CI_DIR = "/usr/local/lib/providerd-ci"
 PROBE = f"{CI_DIR}/probe_worker.py"
 MISBEHAVE = f"{CI_DIR}/misbehave.py"  # tests/workers/misbehave.py

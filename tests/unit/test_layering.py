@@ -10,8 +10,9 @@ import ast
 from pathlib import Path
 
 import pytest
+from support.paths import ROOT
 
-AGENT = Path(__file__).resolve().parents[2] / "agent"
+AGENT = ROOT / "agent"
 
 LAYERS: list[set[str]] = [
     {"atomic", "errors"},

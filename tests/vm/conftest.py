@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.paths import ROOT
 
 from tests.vm.qemu import QEMU_TIMEOUT_S, keep, run_payload
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+REPO = ROOT
 
 
 @pytest.fixture(scope="session")
