@@ -97,14 +97,9 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return rc
 
 
-def _known_slugs() -> tuple[dict[str, Any], list[str]]:
-    """Providers from the manifests, and fronts that answer on a control socket."""
-    providers, running, _ = _discover()
-    return providers, running
-
-
-def _discover() -> tuple[dict[str, Any], list[str], int]:
-    """`_known_slugs()`, plus how many manifest files have problems."""
+def _discover() -> tuple[dict[str, Provider], list[str], int]:
+    """Providers from the manifests, the fronts that answer on a control socket, and how
+    many manifest files have problems."""
     from agent.systemd.manifests import discover
 
     found = discover()
@@ -248,7 +243,7 @@ def _gpu_cards() -> list[dict[str, Any]]:
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
-    providers, running = _known_slugs()
+    providers, running, _ = _discover()
     slug = args.slug
     if slug not in providers and slug not in running:
         return fail(f"no such provider: {slug}", "'providerctl check' lists them", EXIT_NO_SUCH)
@@ -279,7 +274,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    providers, running = _known_slugs()
+    providers, running, _ = _discover()
     slug = args.slug
     if slug not in providers and slug not in running:
         return fail(f"no such provider: {slug}", "'providerctl check' lists them", EXIT_NO_SUCH)

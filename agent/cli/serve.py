@@ -13,14 +13,12 @@ import logging
 import os
 import signal
 import socket
-import stat
 import sys
-from pathlib import Path
 
 from agent import signals
-from agent.errors import ProviderdError
 from agent.front.front import Front, admission_for
 from agent.net import rpc
+from agent.net.bind import BindError, listen_on
 from agent.router.router import Router, RouterError, close_foreground, foreground
 from agent.spec import apikeys, paths
 from agent.spec.apikeys import KeySet
@@ -32,38 +30,9 @@ from agent.worker.control import ProcessWorker
 log = logging.getLogger("providerd")
 
 
-class ServeError(ProviderdError):
-    """Foreground serving cannot start; the message says why."""
-
-    code = "serve_failed"
-
-
 def bind(address: Address) -> socket.socket:
-    """A listening socket for one manifest address."""
-    if address.path is not None:
-        path = Path(address.path)
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISSOCK(path.lstat().st_mode):
-                path.unlink()  # a stale socket from an earlier run
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(str(path))
-        except OSError as e:
-            sock.close()
-            raise ServeError(f"Failed to listen on {address}: {e.strerror}") from None
-    else:
-        family = socket.AF_INET6 if address.host and ":" in address.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        try:
-            sock.bind((address.host or "", address.port or 0))
-        except OSError as e:
-            sock.close()
-            raise ServeError(f"Failed to listen on {address}: {e.strerror}") from None
-    sock.listen(socket.SOMAXCONN)
-    return sock
+    """A listening socket for one manifest address. Raises BindError."""
+    return listen_on(address)
 
 
 def unenforced(provider: Provider) -> list[str]:
@@ -122,7 +91,7 @@ async def serve(providers: list[Provider]) -> int:
         for provider in providers:
             listeners[provider.slug] = [bind(a) for a in provider.addresses]
         router = foreground(providers, bind, keys)  # when providerd.toml enables it
-    except (ServeError, RouterError) as e:
+    except (BindError, RouterError) as e:
         for socks in listeners.values():
             for s in socks:
                 s.close()

@@ -14,6 +14,7 @@ from agent.errors import ProviderdError
 from agent.export import kubernetes, yamltext
 from agent.spec import paths
 from agent.spec.files import write_atomic
+from agent.spec.provider import has_control
 from agent.systemd.manifests import check_paths, discover
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_SUCH = 0, 1, 2, 4
@@ -31,7 +32,7 @@ class UsageError(ProviderdError):
 def options(
     image: str, namespace: str, gpu_sharing: str, lossy: bool, gateway: str
 ) -> kubernetes.Options:
-    if not image or any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in image):
+    if not image or has_control(image) or any(c.isspace() for c in image):
         raise UsageError(
             f"--image: expected a container image such as registry.example/llama:1.0, got {image!r}"
         )

@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from agent.net import counters, rpc
+from agent.net.bind import BindError, listen_on
 from agent.spec import paths
+from agent.spec.values import Invalid, parse_address
 
 log = logging.getLogger("providerd.metrics")
 
@@ -292,14 +294,9 @@ class MetricsServer:
 
 
 def bind(address: str) -> socket.socket:
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, int(port)))
-    sock.listen(64)
-    return sock
+    """`--listen HOST:PORT` (an address as a manifest writes it). Raises Invalid or
+    BindError."""
+    return listen_on(parse_address(address), backlog=64)
 
 
 async def run(listeners: list[socket.socket], idle_s: float, systemd: bool) -> int:
@@ -331,8 +328,10 @@ def main(argv: list[str]) -> int:
     if args.listen:
         try:
             listeners = [bind(args.listen)]
-        except (OSError, ValueError) as e:
-            print(f"providerd-metrics: cannot listen on {args.listen}: {e}", file=sys.stderr)
+        except (Invalid, BindError) as e:
+            print(
+                f"providerd-metrics: cannot listen on {args.listen}: {e.message}", file=sys.stderr
+            )
             return 1
     else:
         from agent.systemd.activation import inherited_listeners

@@ -22,6 +22,7 @@ from typing import TypeVar
 
 from agent.atomic import write_atomic
 from agent.errors import ProviderdError
+from agent.spec import paths
 from agent.spec.provider import Problem, printable
 from agent.spec.sizes import format_size
 
@@ -130,6 +131,25 @@ def mode_problems(
 
 
 _MAX_DETAIL = 200
+
+
+def parse_trusted(
+    path: Path,
+    limit: int,
+    what: str,
+    checks: list[tuple[Path, bool]],
+    why: str,
+    parse: Callable[[bytes], T | list[Problem]],
+) -> T | list[Problem]:
+    """Read a file an operator wrote (`read_regular`), check the owners and modes of
+    `checks` (`mode_problems`, trusting `paths.trusted_uids()`), and `parse` its bytes:
+    the result, or every problem of both. Raises FileProblem when it cannot be read."""
+    raw = read_regular(path, limit, what)
+    problems = mode_problems(path, checks, paths.trusted_uids(), why)
+    result = parse(raw)
+    if isinstance(result, list):
+        return problems + result
+    return problems or result
 
 
 def describe(e: BaseException) -> str:

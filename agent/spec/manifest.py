@@ -23,7 +23,7 @@ from typing import Any
 
 from agent.errors import ProviderdError
 from agent.spec import paths
-from agent.spec.files import FileProblem, contained, mode_problems, read_regular
+from agent.spec.files import FileProblem, contained, parse_trusted
 from agent.spec.keys import BY_DOTTED, KEYS, SECTIONS, Key
 from agent.spec.patterns import Pattern, compile_pattern
 from agent.spec.provider import Address, Problem, Provider
@@ -211,12 +211,12 @@ def slug_of(path: Path) -> str:
 MANIFESTS_RUN_COMMANDS = "manifests run commands on the host"
 
 
-def ownership_problems(path: Path) -> list[Problem]:
+def ownership_checks(path: Path) -> list[tuple[Path, bool]]:
     """The file, its `<slug>/` directory if any, and the manifest directory holding them."""
     checks = [(path, False), (path.parent, True)]
     if path.name == DIR_MANIFEST:
         checks.append((path.parent.parent, True))
-    return mode_problems(path, checks, paths.trusted_uids(), MANIFESTS_RUN_COMMANDS)
+    return checks
 
 
 # A last check of a valid provider by a layer above (agent.systemd.manifests: that its units
@@ -244,17 +244,19 @@ def _parse_file(
     path: Path, slug: str | None, host: Host | None, check: Check | None
 ) -> Provider | list[Problem]:
     path = Path(os.path.abspath(path))
+    slug = slug if slug is not None else slug_of(path)
+    checks = ownership_checks(path)
     try:
-        raw = read_regular(path, MAX_MANIFEST_BYTES, "manifest")
+        return parse_trusted(
+            path,
+            MAX_MANIFEST_BYTES,
+            "manifest",
+            checks,
+            MANIFESTS_RUN_COMMANDS,
+            lambda raw: parse_bytes(raw, path, slug, host or this_host(), check),
+        )
     except FileProblem as e:
         return [Problem(str(path), "", e.message)]
-    problems = ownership_problems(path)
-    result = parse_bytes(
-        raw, path, slug if slug is not None else slug_of(path), host or this_host(), check
-    )
-    if isinstance(result, list):
-        return problems + result
-    return problems or result
 
 
 def parse_file(
@@ -281,13 +283,13 @@ def _candidate(e: os.DirEntry[str]) -> tuple[str, Path] | None:
     return None
 
 
-def _candidates(directory: Path, problems: list[Problem] | None = None) -> list[tuple[str, Path]]:
+def _candidates(directory: Path, problems: list[Problem]) -> list[tuple[str, Path]]:
     """(slug, manifest path) for every entry that looks like a manifest, sorted. A
     directory that exists but cannot be listed is a problem (in `problems`)."""
     try:
         entries = sorted(os.scandir(directory), key=lambda e: e.name)
     except OSError as e:
-        if problems is not None and e.errno not in (errno.ENOENT, errno.ENOTDIR):
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR):
             problems.append(
                 Problem(str(directory), "", f"Failed to list manifests: {e.strerror or e}")
             )

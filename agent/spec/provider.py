@@ -136,7 +136,13 @@ class Provider:
         return not self.uses_gpu and self.known_worker_port != 0
 
 
-_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# Control characters: C0, DEL and C1. The one test of "may not hold control characters"
+# (values, names, paths) and of what `printable` escapes.
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def has_control(text: str) -> bool:
+    return CONTROL.search(text) is not None
 
 
 def printable(text: str) -> str:
@@ -147,7 +153,7 @@ def printable(text: str) -> str:
     except UnicodeEncodeError:  # a surrogate no file name can hold
         raw = text.encode("utf-8", "backslashreplace")
     text = raw.decode("utf-8", "backslashreplace")
-    return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from agent.errors import ProviderdError
 from agent.spec import paths
-from agent.spec.files import FileProblem, contained, mode_problems, read_regular
+from agent.spec.files import FileProblem, contained, parse_trusted
 from agent.spec.keys import Key
 from agent.spec.provider import Address, Problem
 from agent.spec.values import CONVERTERS, Host, Invalid, did_you_mean, load_toml, unknown_table
@@ -181,15 +181,17 @@ def load(path: Path | None = None) -> Config:
 
 
 def _load(path: Path) -> Config | list[Problem]:
+    checks = [(path, False), (path.parent, True)]
     try:
-        raw = read_regular(path, MAX_CONFIG_BYTES, "providerd.toml")
+        return parse_trusted(
+            path,
+            MAX_CONFIG_BYTES,
+            "providerd.toml",
+            checks,
+            CONFIG_DECIDES,
+            lambda raw: parse(raw, path),
+        )
     except FileProblem as e:
         if e.missing:
             return Config()
         return [Problem(str(path), "", e.message)]
-    checks = [(path, False), (path.parent, True)]
-    problems = mode_problems(path, checks, paths.trusted_uids(), CONFIG_DECIDES)
-    result = parse(raw, path)
-    if isinstance(result, list):
-        return problems + result
-    return problems or result

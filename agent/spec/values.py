@@ -22,7 +22,14 @@ from typing import Any
 from agent.errors import ProviderdError
 from agent.spec.keys import Key
 from agent.spec.patterns import PatternError, compile_pattern
-from agent.spec.provider import PLACEHOLDERS, Address, Ready, fill_placeholders
+from agent.spec.provider import (
+    CONTROL,
+    PLACEHOLDERS,
+    Address,
+    Ready,
+    fill_placeholders,
+    has_control,
+)
 from agent.spec.sizes import format_size, size_bytes
 
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with the terminating NUL
@@ -52,9 +59,6 @@ class Invalid(ProviderdError):
 # -- strict TOML checking, shared with agent.spec.settings -----------------------------------------
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
 def _escape_control(m: re.Match[str]) -> str:
     c = m.group()
     return {"\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(c) or f"\\u{ord(c):04x}"
@@ -64,7 +68,7 @@ def quote(value: object) -> str:
     """A value quoted for a message, TOML-like, on one line and short."""
     if isinstance(value, str):
         text = value[:200].replace("\\", "\\\\").replace('"', '\\"')
-        text = '"' + _CONTROL.sub(_escape_control, text) + ('"' if len(value) <= 200 else "")
+        text = '"' + CONTROL.sub(_escape_control, text) + ('"' if len(value) <= 200 else "")
     elif isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**60:
         text = f"an integer of {len(str(abs(value)))} digits"
     elif isinstance(value, bool):
@@ -179,7 +183,7 @@ def _range(key: Key, value: float, unit: str = "") -> None:
 
 def _conv_string(value: object, key: Key, host: Host) -> str:
     text = _text(value)
-    if _CONTROL.search(text):
+    if has_control(text):
         raise Invalid(
             f"may not contain control characters (newlines, tabs, ...), got {quote(text)}"
         )
@@ -244,9 +248,7 @@ def parse_address(text: str) -> Address:
     if text.startswith("/"):
         if len(text.encode()) > UNIX_PATH_MAX:
             raise Invalid(f"unix socket path {quote(text)} is longer than {UNIX_PATH_MAX} bytes")
-        if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in text) or any(
-            c in text for c in "%\\\"'"
-        ):
+        if has_control(text) or any(c.isspace() for c in text) or any(c in text for c in "%\\\"'"):
             raise Invalid(
                 f"unix socket path {quote(text)} may not contain spaces, control characters, "
                 "quotes, '\\' or '%'"
@@ -348,7 +350,7 @@ def _conv_ready(value: object, key: Key, host: Host) -> Ready:
         return Ready("tcp" if text == "tcp" else "notify")
     if text.startswith("http:"):
         path = text[5:]
-        if path.startswith("/") and not any(c.isspace() or ord(c) < 32 for c in path):
+        if path.startswith("/") and not (has_control(path) or any(c.isspace() for c in path)):
             return Ready("http", path)
     raise Invalid(
         f'expected "tcp", "http:/path" (such as "http:/health") or "notify", got {quote(text)}'
@@ -383,7 +385,7 @@ def _conv_environment(value: object, key: Key, host: Host) -> tuple[tuple[str, s
 def _abspath(text: str, what: str) -> str:
     if not text.startswith("/"):
         raise Invalid(f"expected an absolute {what}, got {quote(text)}")
-    if _CONTROL.search(text) or any(c.isspace() or c in ":\"'\\" for c in text):
+    if has_control(text) or any(c.isspace() or c in ":\"'\\" for c in text):
         raise Invalid(
             f"{quote(text)}: paths with spaces, quotes, ':', '\\' or control characters are not supported "
             "(a symlink without them works)"
@@ -519,7 +521,7 @@ def _conv_names(value: object, key: Key, host: Host) -> tuple[str, ...]:
     out = _strings(value, 'a list of model names such as ["llama-3.1-8b"]')
     seen: set[str] = set()
     for t in out:
-        if not t or any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in t):
+        if not t or has_control(t) or any(c.isspace() for c in t):
             raise Invalid(f"model names must be non-empty and without spaces, got {quote(t)}")
         if len(t) > MAX_NAME:
             raise Invalid(f"model names may be at most {MAX_NAME} characters, got {len(t)}")

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.net import free_port
 
 from agent.metrics import service as metrics
 from agent.net import counters, rpc
@@ -136,7 +137,7 @@ def test_the_server_answers_scrapes_refuses_the_rest_and_exits_when_not_scraped(
     monkeypatch.setenv("PROVIDERD_TRUSTED_UID", str(os.getuid()))
     monkeypatch.setenv("PROVIDERD_RUNTIME_DIR", str(tmp_path / "run"))
     saved("emb", 3)
-    sock = metrics.bind("127.0.0.1:0")
+    sock = metrics.bind(f"127.0.0.1:{free_port()}")
     port = sock.getsockname()[1]
 
     async def go() -> list[bytes]:
