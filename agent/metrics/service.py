@@ -35,7 +35,8 @@ from typing import Any
 from agent.net import counters, rpc
 from agent.net.bind import BindError, listen_on
 from agent.spec import paths
-from agent.spec.values import Invalid, parse_address
+from agent.spec.toml_strict import Invalid
+from agent.spec.values import parse_address
 
 log = logging.getLogger("providerd.metrics")
 

@@ -5,7 +5,13 @@ means, the accepted range or choices, and the systemd directive it becomes.
 `agent.spec.manifest` validates against this table (unknown keys, kinds, ranges),
 and the reference in docs/manifest.md and the man page provider.toml(5) are
 generated from it (`python3 -m agent.spec.keys --markdown` / `--man`); a test keeps
-both files equal to what this module prints. No I/O except in `main`.
+both files equal to what this module prints. `Key.becomes` names the directives a key is
+rendered as: agent.systemd.units takes its directive names from there, and
+tests/unit/test_keys_render.py checks that the reference documents the ones rendered.
+No I/O except in `main`.
+
+Long for a reason: it is the table of every key with its reference text, read top to
+bottom like the reference it prints.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ Kept light on imports: the generator parses every manifest at each boot and
 
 from __future__ import annotations
 
-import bisect
 import errno
 import os
 import re
@@ -23,20 +22,12 @@ from typing import Any
 
 from agent.errors import ProviderdError
 from agent.spec import paths
+from agent.spec.cross_check import cross_check
 from agent.spec.files import FileProblem, contained, parse_trusted
 from agent.spec.keys import BY_DOTTED, KEYS, SECTIONS, Key
-from agent.spec.patterns import Pattern, compile_pattern
-from agent.spec.provider import Address, Problem, Provider
-from agent.spec.values import (
-    CONVERTERS,
-    Host,
-    Invalid,
-    did_you_mean,
-    load_toml,
-    quote,
-    this_host,
-    unknown_table,
-)
+from agent.spec.provider import Problem, Provider
+from agent.spec.toml_strict import Invalid, did_you_mean, load_toml, quote, unknown_table
+from agent.spec.values import CONVERTERS, Host, this_host
 
 SLUG_RE = re.compile(r"[a-z0-9_]{1,48}")
 SLUG_RULE = "lowercase letters, digits and '_' only, at most 48 characters"
@@ -297,91 +288,35 @@ def _candidates(directory: Path, problems: list[Problem]) -> list[tuple[str, Pat
     return [c for c in map(_candidate, entries) if c is not None]
 
 
-def _collide(a: Address, b: Address) -> bool:
-    if a.is_unix or b.is_unix:
-        return a.path == b.path
-    if a.port != b.port:
-        return False
-    if a.host == b.host or "::" in (a.host, b.host):
-        return True
-    return "0.0.0.0" in (a.host, b.host) and ":" not in (a.host or "") + (b.host or "")
-
-
-def _address_groups(providers: list[Provider]) -> list[list[tuple[Provider, Address]]]:
-    """Addresses that may collide, grouped by port or path (linear, for many manifests)."""
-    groups: dict[object, list[tuple[Provider, Address]]] = {}
-    for p in providers:
-        for a in p.addresses:
-            groups.setdefault(a.path if a.is_unix else a.port, []).append((p, a))
-    return [g for g in groups.values() if len({id(p) for p, _ in g}) > 1]
-
-
-def _candidate_names(rx: Pattern, names: list[str]) -> Iterable[str]:
-    """The names of `names` (sorted) that `rx` may match: those that start with its
-    literal prefix (a binary search), else those that contain its literal. Each match
-    then takes time linear in the name (agent.spec.patterns), so no pattern can hang this."""
-    prefix = rx.literal_prefix
-    if prefix:
-        for i in range(bisect.bisect_left(names, prefix), len(names)):
-            if not names[i].startswith(prefix):
-                return
-            yield names[i]
-    elif rx.literal:
-        literal = rx.literal
-        yield from (n for n in names if literal in n)
-    else:
-        yield from names
-
-
-def cross_check(providers: list[Provider]) -> list[Problem]:
-    """Problems between valid providers: shared addresses and model names. Pure."""
-    out: list[Problem] = []
-
-    def both(x: Provider, x_key: str, x_msg: str, y: Provider, y_key: str, y_msg: str) -> None:
-        out.append(Problem(str(x.source), x_key, x_msg))
-        out.append(Problem(str(y.source), y_key, y_msg))
-
-    for group in _address_groups(providers):
-        for i, (p, a) in enumerate(group):
-            for q, b in group[i + 1 :]:
-                if p is not q and _collide(a, b):
-                    both(
-                        p, "listen.address",
-                        f'"{a}" is also used by provider "{q.slug}" ({q.source}); give each provider its own address',
-                        q, "listen.address",
-                        f'"{b}" is also used by provider "{p.slug}" ({p.source}); give each provider its own address',
-                    )  # fmt: skip
-    owners: dict[str, Provider] = {}
-    for p in providers:
-        for n in p.model_names:
-            q = owners.setdefault(n, p)
-            if q is not p:
-                claim = "is also claimed by provider"
-                both(
-                    q, "models.names", f'"{n}" {claim} "{p.slug}" ({p.source}); a model name belongs to one provider',
-                    p, "models.names", f'"{n}" {claim} "{q.slug}" ({q.source}); a model name belongs to one provider',
-                )  # fmt: skip
-    names = sorted(owners)
-    for x in providers:
-        for pat in x.model_patterns:
-            rx = compile_pattern(pat)
-            for n in _candidate_names(rx, names):
-                y = owners[n]
-                if y is not x and rx.fullmatch(n):
-                    both(
-                        x, "models.patterns",
-                        f'"{pat}" matches "{n}", a name of provider "{y.slug}" ({y.source}); narrow the pattern',
-                        y, "models.names",
-                        f'"{n}" is also matched by pattern "{pat}" of provider "{x.slug}" ({x.source})',
-                    )  # fmt: skip
-    return out
-
-
 def _finish(found: list[Provider], problems: list[Problem]) -> Discovery:
     cross = cross_check(found)
     bad = {p.file for p in cross}
     providers = {p.slug: p for p in sorted(found, key=lambda p: p.slug) if str(p.source) not in bad}
     return Discovery(providers, problems + cross)
+
+
+def _read_one(
+    slug: str,
+    manifests: list[Path],
+    host: Host,
+    check: Check | None,
+    found: list[Provider],
+    problems: list[Problem],
+) -> None:
+    """The manifest of one slug into `found`, or its problems; two files that declare one
+    slug are a problem of each."""
+    if len(manifests) > 1:
+        for m in manifests:
+            others = ", ".join(str(o) for o in manifests if o != m)
+            problems.append(
+                Problem(str(m), "", f'provider "{slug}" is also declared by {others}; keep one')
+            )
+        return
+    result = parse_file(manifests[0], slug, host, check)
+    if isinstance(result, list):
+        problems.extend(result)
+    else:
+        found.append(result)
 
 
 def _scan(
@@ -398,21 +333,7 @@ def _scan(
             if slug in seen:
                 continue  # a higher-priority directory declares it
             seen.add(slug)
-            if len(manifests) > 1:
-                manifests.sort(key=str)
-                for m in manifests:
-                    others = ", ".join(str(o) for o in manifests if o != m)
-                    problems.append(
-                        Problem(
-                            str(m), "", f'provider "{slug}" is also declared by {others}; keep one'
-                        )
-                    )
-                continue
-            result = parse_file(manifests[0], slug, host, check)
-            if isinstance(result, list):
-                problems.extend(result)
-            else:
-                found.append(result)
+            _read_one(slug, sorted(manifests, key=str), host, check, found, problems)
     return found, problems
 
 
@@ -451,18 +372,7 @@ def check_paths(
         by_slug.setdefault(slug_of(path), []).append(path)
     found: list[Provider] = []
     for slug, paths_ in by_slug.items():
-        if len(paths_) > 1:
-            for m in paths_:
-                others = ", ".join(str(o) for o in paths_ if o != m)
-                problems.append(
-                    Problem(str(m), "", f'provider "{slug}" is also declared by {others}; keep one')
-                )
-            continue
-        result = parse_file(paths_[0], slug, host, check)
-        if isinstance(result, list):
-            problems.extend(result)
-        else:
-            found.append(result)
+        _read_one(slug, paths_, host, check, found, problems)
     return _finish(found, problems)
 
 

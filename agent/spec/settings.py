@@ -27,7 +27,8 @@ from agent.spec import paths
 from agent.spec.files import FileProblem, contained, parse_trusted
 from agent.spec.keys import Key
 from agent.spec.provider import Address, Problem
-from agent.spec.values import CONVERTERS, Host, Invalid, did_you_mean, load_toml, unknown_table
+from agent.spec.toml_strict import Invalid, did_you_mean, load_toml, unknown_table
+from agent.spec.values import CONVERTERS, Host
 
 DEFAULT_ROUTER_ADDRESS = Address("127.0.0.1", 8100)
 DEFAULT_MAX_BODY = 16 << 20
