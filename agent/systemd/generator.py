@@ -78,11 +78,15 @@ def write_atomic(path: Path, content: str | units.Link, make_parent: bool = True
         atomic.write_atomic(path, content, 0o644, durable=False, make_parent=make_parent)
 
 
-def generate(providers: list[Provider], out: Path) -> list[str]:
-    """Write every provider's files under `out`; the paths that failed, with why."""
+def generate(
+    providers: list[Provider], out: Path, rendering: manifests.Rendering | None = None
+) -> list[str]:
+    """Write every provider's files under `out` (those `rendering` made as they are); the
+    paths that failed, with why."""
     failures: list[str] = []
     made: set[Path] = set()
-    for path, content in units.render_all(providers).items():
+    files = units.render_all(providers, rendered=rendering.of if rendering else lambda p: None)
+    for path, content in files.items():
         target = out / path
         try:
             if target.parent not in made:
@@ -136,13 +140,13 @@ def main(argv: list[str], log: Log | None = None) -> int:
         except Exception as e:  # never fail the boot; the providers still get their units
             log(f"Failed to generate the router's settings: {e}")
         try:
-            found = manifests.discover()  # each file is its own boundary: this raises nothing
+            found, rendering = manifests.discover_rendered()  # each file is its own boundary
         except Exception as e:  # never fail the boot
             log(f"Failed to read manifests: {e}")
             return 0
         for line in skipped_lines(found.problems):
             log(line)
-        for line in generate(list(found.providers.values()), out):
+        for line in generate(list(found.providers.values()), out, rendering):
             log(line)
         return 0
     finally:

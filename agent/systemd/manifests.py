@@ -27,6 +27,32 @@ def renderable(provider: Provider) -> str | None:
     return None
 
 
+class Rendering:
+    """The same guard, keeping what it rendered: the generator writes those files without
+    rendering each provider a second time."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, tuple[Provider, dict[str, str | units.Link]]] = {}
+
+    def __call__(self, provider: Provider) -> str | None:
+        try:
+            self.files[provider.slug] = (provider, units.render(provider))
+        except units.Unrenderable as e:
+            return str(e)
+        return None
+
+    def of(self, provider: Provider) -> dict[str, str | units.Link] | None:
+        """What was rendered for this very provider, if it was."""
+        made = self.files.get(provider.slug)
+        return made[1] if made is not None and made[0] is provider else None
+
+
+def discover_rendered() -> tuple[Discovery, Rendering]:
+    """`discover()`, and the files of each valid provider as rendered by its check."""
+    rendering = Rendering()
+    return manifest.discover(check=rendering), rendering
+
+
 def discover(dirs: list[Path] | None = None, host: Host | None = None) -> Discovery:
     """Every manifest in the manifest directories (highest priority first)."""
     return manifest.discover(dirs, host, renderable)

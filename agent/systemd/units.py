@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 
 from agent.spec.keys import becomes
 from agent.spec.provider import Provider
@@ -291,12 +292,17 @@ def render_index(providers: list[Provider], python: str = PYTHON) -> str:
     return json.dumps({"providers": entries}, indent=2, sort_keys=True) + "\n"
 
 
-def render_all(providers: list[Provider], python: str = PYTHON) -> dict[str, str | Link]:
-    """All providers' files plus the index, sorted by path."""
+def render_all(
+    providers: list[Provider],
+    python: str = PYTHON,
+    rendered: Callable[[Provider], dict[str, str | Link] | None] = lambda p: None,
+) -> dict[str, str | Link]:
+    """All providers' files plus the index, sorted by path; `rendered(p)` gives those
+    already rendered (with the default `python`), if any."""
     files: dict[str, str | Link] = {**router_units.render_router_allow(providers)}
     entries: dict[str, object] = {}
     for p in providers:
-        mine = render(p, python)
+        mine = (rendered(p) if python == PYTHON else None) or render(p, python)
         files.update(mine)
         entries[p.slug] = _index_entry(p, _digest(mine))
     files[INDEX] = json.dumps({"providers": entries}, indent=2, sort_keys=True) + "\n"
