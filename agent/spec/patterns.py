@@ -104,120 +104,103 @@ _UNSUPPORTED = {
 _ANCHORS = ("AT_BEGINNING", "AT_BEGINNING_STRING", "AT_END", "AT_END_STRING")
 
 
-def _size(items: Any, depth: int = 0) -> int:
-    """The number of steps `_Compiler` makes of a parsed sequence, without making them;
-    raises PatternError for what it cannot compile, for more than MAX_PROGRAM steps, or
-    for groups nested more than MAX_DEPTH deep."""
-    if depth > MAX_DEPTH:
-        raise PatternError(f"nests groups more than {MAX_DEPTH} deep")
-    total = 0
-    for op, arg in items:
-        kind = str(op)
-        if kind in ("LITERAL", "NOT_LITERAL", "ANY"):
-            n = 1
+class _Compiler:
+    """Thompson's construction, and the one walk of the parsed tree: it refuses what it
+    cannot compile, more than MAX_PROGRAM steps and groups nested more than MAX_DEPTH
+    deep (PatternError). With `dry`, it only counts the steps: validation walks the tree
+    without building the program, which is made on the first match."""
+
+    def __init__(self, dry: bool = False) -> None:
+        self.dry = dry
+        self.size = 0
+        self.prog: list[Instr] = []
+
+    def emit(self, *instr: Any) -> int:
+        self.size += 1
+        if self.size > MAX_PROGRAM:
+            raise PatternError(f"is too complex to check (more than {MAX_PROGRAM} steps)")
+        if not self.dry:
+            self.prog.append(tuple(instr))
+        return self.size - 1
+
+    def patch(self, at: int, *instr: Any) -> None:
+        if not self.dry:
+            self.prog[at] = tuple(instr)
+
+    def seq(self, items: Any, depth: int = 0) -> None:
+        if depth > MAX_DEPTH:
+            raise PatternError(f"nests groups more than {MAX_DEPTH} deep")
+        for op, arg in items:
+            self.one(str(op), arg, depth)
+
+    def one(self, kind: str, arg: Any, depth: int) -> None:
+        if kind == "LITERAL":
+            self.emit("char", chr(arg).__eq__)
+        elif kind == "NOT_LITERAL":
+            self.emit("char", chr(arg).__ne__)
+        elif kind == "ANY":
+            self.emit("char", "\n".__ne__)
         elif kind == "IN":
-            for iop, iarg in arg:
-                ikind = str(iop)
-                if ikind == "CATEGORY" and str(iarg) not in _CATEGORIES:
-                    raise PatternError(
-                        f"uses the class {iarg}, which model patterns do not support"
-                    )
-                if ikind not in ("NEGATE", "LITERAL", "RANGE", "CATEGORY"):
-                    raise PatternError(
-                        f"uses {ikind} in a class, which model patterns do not support"
-                    )
-            n = 1
+            _check_class(arg)
+            self.emit("char", None if self.dry else _in(arg))
         elif kind == "SUBPATTERN":
             if arg[1] or arg[2]:
                 raise PatternError(
                     "uses inline flags such as (?i), which model patterns do not support"
                 )
-            n = _size(arg[3], depth + 1)
+            self.seq(arg[3], depth + 1)
         elif kind == "BRANCH":
-            n = sum(_size(alt, depth + 1) for alt in arg[1]) + 2 * (len(arg[1]) - 1)
+            self.branch(arg[1], depth + 1)
         elif kind in ("MAX_REPEAT", "MIN_REPEAT"):
             lo, hi, body = arg
-            b = _size(body, depth + 1)
-            n = lo * b + (b + 2 if hi == _MAXREPEAT else (hi - lo) * (b + 1))
+            self.repeat(lo, hi, body, depth + 1)
         elif kind == "AT":
             if str(arg) not in _ANCHORS:
                 raise PatternError("uses \\b, \\B, \\A or \\Z, which model patterns do not support")
-            n = 1
+            self.emit("bol" if str(arg) in _ANCHORS[:2] else "eol")
         else:
             what = _UNSUPPORTED.get(kind, kind)
             raise PatternError(f"uses {what}, which model patterns do not support")
-        total += n
-        if total > MAX_PROGRAM:
-            raise PatternError(f"is too complex to check (more than {MAX_PROGRAM} steps)")
-    return total
 
-
-class _Compiler:
-    """Thompson's construction over a sequence `_size` accepted."""
-
-    def __init__(self) -> None:
-        self.prog: list[Instr] = []
-
-    def emit(self, *instr: Any) -> int:
-        self.prog.append(tuple(instr))
-        return len(self.prog) - 1
-
-    def patch(self, at: int, *instr: Any) -> None:
-        self.prog[at] = tuple(instr)
-
-    def seq(self, items: Any) -> None:
-        for op, arg in items:
-            self.one(str(op), arg)
-
-    def one(self, kind: str, arg: Any) -> None:
-        if kind == "LITERAL":
-            c = chr(arg)
-            self.emit("char", c.__eq__)
-        elif kind == "NOT_LITERAL":
-            c = chr(arg)
-            self.emit("char", c.__ne__)
-        elif kind == "ANY":
-            self.emit("char", "\n".__ne__)
-        elif kind == "IN":
-            self.emit("char", _in(arg))
-        elif kind == "SUBPATTERN":
-            self.seq(arg[3])
-        elif kind == "BRANCH":
-            self.branch(arg[1])
-        elif kind in ("MAX_REPEAT", "MIN_REPEAT"):
-            lo, hi, body = arg
-            self.repeat(lo, hi, body)
-        else:  # AT, one of _ANCHORS
-            self.emit("bol" if str(arg) in _ANCHORS[:2] else "eol")
-
-    def branch(self, alternatives: list[Any]) -> None:
+    def branch(self, alternatives: list[Any], depth: int) -> None:
         jumps: list[int] = []
         for i, alt in enumerate(alternatives):
             if i < len(alternatives) - 1:
                 split = self.emit("split", 0, 0)
-                self.seq(alt)
+                self.seq(alt, depth)
                 jumps.append(self.emit("jmp", 0))
-                self.patch(split, "split", split + 1, len(self.prog))
+                self.patch(split, "split", split + 1, self.size)
             else:
-                self.seq(alt)
+                self.seq(alt, depth)
         for j in jumps:
-            self.patch(j, "jmp", len(self.prog))
+            self.patch(j, "jmp", self.size)
 
-    def repeat(self, lo: int, hi: int, body: Any) -> None:
+    def repeat(self, lo: int, hi: int, body: Any, depth: int) -> None:
+        if hi == 0:  # no copy of the body: still one that could be compiled
+            _Compiler(dry=True).seq(body, depth)
         for _ in range(lo):
-            self.seq(body)
+            self.seq(body, depth)
         if hi == _MAXREPEAT:
             split = self.emit("split", 0, 0)
-            self.seq(body)
+            self.seq(body, depth)
             self.emit("jmp", split)
-            self.patch(split, "split", split + 1, len(self.prog))
+            self.patch(split, "split", split + 1, self.size)
             return
         ends: list[int] = []
         for _ in range(hi - lo):
             ends.append(self.emit("split", 0, 0))
-            self.seq(body)
+            self.seq(body, depth)
         for s in ends:
-            self.patch(s, "split", s + 1, len(self.prog))
+            self.patch(s, "split", s + 1, self.size)
+
+
+def _check_class(items: list[tuple[Any, Any]]) -> None:
+    for iop, iarg in items:
+        ikind = str(iop)
+        if ikind == "CATEGORY" and str(iarg) not in _CATEGORIES:
+            raise PatternError(f"uses the class {iarg}, which model patterns do not support")
+        if ikind not in ("NEGATE", "LITERAL", "RANGE", "CATEGORY"):
+            raise PatternError(f"uses {ikind} in a class, which model patterns do not support")
 
 
 def _literal_runs(items: Any) -> tuple[str, str]:
@@ -346,7 +329,7 @@ def compile_pattern(text: str) -> Pattern:
     if parsed.state.groups > 1 + 100:
         raise PatternError("has more than 100 groups")
     try:
-        _size(parsed)
+        _Compiler(dry=True).seq(parsed)  # refuses what it cannot compile, builds nothing
     except RecursionError:
         raise PatternError("nests groups too deeply") from None
     prefix, literal = _literal_runs(parsed)
