@@ -32,7 +32,6 @@ from agent.spec.values import CONVERTERS, Host
 
 DEFAULT_ROUTER_ADDRESS = Address("127.0.0.1", 8100)
 DEFAULT_MAX_BODY = 16 << 20
-MIB = 1 << 20
 GIB = 1 << 30
 MAX_CONFIG_BYTES = 64 << 10
 CONFIG_DECIDES = "providerd.toml decides where providerd listens"
