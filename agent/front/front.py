@@ -46,6 +46,7 @@ from agent.spec import apikeys, paths
 from agent.spec.apikeys import KeySet
 from agent.spec.provider import Address, Provider
 from agent.systemd import preload
+from agent.systemd.names import front_unit
 from agent.systemd.units import worker_loopback
 from agent.worker.control import StartFailed, WorkerControl
 
@@ -520,9 +521,7 @@ class Front:
             else:  # a bug, or the bus: the details are for the journal, not for clients
                 self.log.error("Failed to start the worker: unexpected error", exc_info=e)
                 slug = self.provider.slug
-                reason = (
-                    f"internal error while starting the worker; see journalctl -u provider@{slug}"
-                )
+                reason = f"internal error while starting the worker; see journalctl -u {front_unit(slug)}"
                 tail = []
             self.last_start = {"at": time.time(), "took_s": round(took, 3), "result": reason}
             self._record_preload()

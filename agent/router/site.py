@@ -37,6 +37,7 @@ from agent.router.table import (
 from agent.spec.apikeys import ApiKey, KeySet
 from agent.spec.provider import Provider
 from agent.spec.settings import RouterConfig
+from agent.systemd.names import socket_unit
 
 
 class Routing(Protocol):
@@ -229,7 +230,7 @@ class RouterSite:
 
     def unreachable(self, ex: Exchange, target: Target, why: str) -> Answer:
         slug = ex.label[0]
-        hint = f"; is provider@{slug}.socket started?" if self.router.systemd else ""
+        hint = f"; is {socket_unit(slug)} started?" if self.router.systemd else ""
         return Answer(
             503,
             f'Failed to reach provider "{slug}" at {target[0]}: {why}{hint}',
