@@ -1,10 +1,13 @@
-"""`Provider` → the generator's files, and systemd quoting. Pure: no I/O.
+"""`Provider` → the generator's files. Pure: no I/O.
 
 The unit logic lives in the static templates under `units/`; per provider the
 generator writes only drop-ins (`50-manifest.conf`) and, for enabled providers,
 a `sockets.target.wants/` link (and a `multi-user.target.wants/` link to the
 front for those that preload). `render` returns them as a mapping from a path
 relative to the generator's output directory to the file's text or a `Link`.
+
+Each directive a manifest key becomes is named by the key table (`spec.keys`,
+`Key.becomes`); the quoting is `systemd.quoting`'s and the unit names `systemd.names`'.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from agent.systemd.quoting import (
     seconds,
 )
 
-__all__ = [  # what other modules take from here, the names and the quoting included
+__all__ = [  # re-exported: other modules take these names and the quoting from here
     "DROPIN",
     "GENERATOR",
     "ROUTER_SERVICE",
