@@ -43,7 +43,7 @@ from pathlib import Path
 from agent.spec import paths
 from agent.spec.files import FileProblem, contained, mode_problems, read_regular
 from agent.spec.provider import Problem
-from agent.spec.values import Invalid, did_you_mean, expect_bool, load_toml, quote
+from agent.spec.toml_strict import Invalid, did_you_mean, expect_bool, load_toml, quote
 
 CREDENTIAL = "providerd-keys"
 ABSENT = b"absent"  # the credential's value when there is no file (SetCredential=)

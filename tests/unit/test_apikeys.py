@@ -243,32 +243,32 @@ def test_check_validates_the_keys_file_with_the_manifests(
 ) -> None:
     import io
 
-    from agent.spec import manifest
+    from agent.cli import check
 
     monkeypatch.setenv("PROVIDERD_MANIFEST_DIRS", str(tmp_path / "none"))
     monkeypatch.setenv("PROVIDERD_TRUSTED_UID", str(os.getuid()))
     keys = tmp_path / "keys.toml"
     monkeypatch.setenv("PROVIDERD_KEYS", str(keys))
     out, err = io.StringIO(), io.StringIO()
-    assert manifest.main_check([], out, err) == 0  # no file: keys off, nothing to say
+    assert check.main_check([], out, err) == 0  # no file: keys off, nothing to say
     assert "keys" not in out.getvalue()
 
     keys.write_bytes(GOOD)
     keys.chmod(0o600)
     out = io.StringIO()
-    assert manifest.main_check([], out, io.StringIO()) == 0
+    assert check.main_check([], out, io.StringIO()) == 0
     assert out.getvalue() == f"{keys}: 2 API key(s): alice, bob\n"
 
     keys.write_bytes(GOOD + b'[keys.c]\nsha256 = "pd-plain-secret"\n')
     out = io.StringIO()
-    assert manifest.main_check([str(keys)], out, io.StringIO()) == 1  # the file by itself
+    assert check.main_check([str(keys)], out, io.StringIO()) == 1  # the file by itself
     assert out.getvalue() == (
         f"{keys}: keys.c.sha256: expected the SHA-256 of the key as 64 hexadecimal digits "
         "(printf %s KEY | sha256sum), got a string of 15 characters\n"
     )
     keys.chmod(0o640)
     out = io.StringIO()
-    assert manifest.main_check([], out, io.StringIO()) == 1
+    assert check.main_check([], out, io.StringIO()) == 1
     assert "is readable by group or others (mode 0640)" in out.getvalue()
 
 
