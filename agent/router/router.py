@@ -55,6 +55,7 @@ from agent.router.table import (
     quoted,
     target_address,
 )
+from agent.signals import handling
 from agent.spec import apikeys
 from agent.spec.apikeys import KeySet
 from agent.spec.provider import Address, Provider
@@ -355,19 +356,13 @@ async def run_systemd() -> int:
         if not stopping:
             stopping.append(loop.create_task(router.stop(STOP_GRACE_S)))
 
-    loop.add_signal_handler(signal.SIGTERM, stop)
-
     def reload() -> None:
         router.table = discover_table()
 
-    loop.add_signal_handler(signal.SIGHUP, reload)
-    try:
+    with handling(loop, {signal.SIGTERM: stop, signal.SIGHUP: reload}):
         await router.done.wait()
         # Connections were ended: let them close before the loop goes.
         await asyncio.sleep(0)
-    finally:
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            loop.remove_signal_handler(signum)
     return 0
 
 

@@ -133,3 +133,30 @@ def test_the_activated_front_restores_its_sigterm_handler_when_it_exits(
     assert asyncio.run(go()) == 0
     assert signal.getsignal(signal.SIGTERM) is before
     sock.close()
+
+
+def test_the_router_restores_its_sigterm_handler_when_it_exits(
+    own_handlers: None, runtime: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agent.router.router import run_systemd
+    from agent.systemd import activation
+
+    (runtime / "providers").mkdir()
+    monkeypatch.setenv("PROVIDERD_MANIFEST_DIRS", str(runtime / "providers"))
+    monkeypatch.setenv("PROVIDERD_KEYS", str(runtime / "keys.toml"))  # none: keys off
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    monkeypatch.setattr(activation, "inherited_listeners", lambda _unit: [sock])
+
+    async def go() -> int:
+        router = asyncio.create_task(run_systemd())
+        while signal.getsignal(signal.SIGTERM) is before:
+            await asyncio.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)  # systemctl stop
+        return await asyncio.wait_for(router, 10)
+
+    assert asyncio.run(go()) == 0
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.getsignal(signal.SIGHUP) is not None
+    sock.close()
