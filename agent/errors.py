@@ -11,13 +11,15 @@ from __future__ import annotations
 class ProviderdError(Exception):
     code = "error"
 
-    def __init__(self, message: str, *, hint: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, message: str = "", *, hint: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
         if code is not None:
             self.code = code
 
-    def body(self) -> dict[str, str]:
+    def body(self) -> dict[str, object]:
         """The JSON body of a response made up for this error."""
         return {"error": self.code, "message": self.message}

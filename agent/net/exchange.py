@@ -18,6 +18,7 @@ import logging
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
+from agent.errors import ProviderdError
 from agent.net.answers import Answer, made_up
 from agent.net.client import ClientConn
 from agent.net.contract import Lease, Site, Target
@@ -34,8 +35,10 @@ HELD_MAX = BUFFER_SIZE  # body bytes held while the upstream connection is not t
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
-class ClientGone(Exception):
+class ClientGone(ProviderdError):
     """The client went away."""
+
+    code = "client_gone"
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:

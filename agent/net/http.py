@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from agent.errors import ProviderdError
+
 MAX_HEAD = 64 * 1024  # request or response head, start line to blank line
 MAX_HEADERS = 128  # header fields in one head
 MAX_CHUNK_LINE = 4096  # one chunk-size line (with extensions) or one trailer field
@@ -53,8 +55,10 @@ _REASONS = {
 }
 
 
-class HttpError(Exception):
+class HttpError(ProviderdError):
     """A message cannot be framed. `status` is what a client is answered (400, 431, 501, 505)."""
+
+    code = "bad_request"
 
     def __init__(self, status: int, reason: str) -> None:
         super().__init__(reason)

@@ -18,12 +18,16 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from agent.errors import ProviderdError
+
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 MAX_LINE = 64 * 1024
 
 
-class RpcError(Exception):
-    pass
+class RpcError(ProviderdError):
+    """A front's control socket did not answer as it should (the message says how)."""
+
+    code = "control_socket"
 
 
 async def serve(path: Path, handler: Handler) -> asyncio.AbstractServer:

@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
+from agent.errors import ProviderdError
 from agent.net.sockio import BUFFER_SIZE, BULK_SIZE
 from agent.net.upstream import connect_retrying
 from agent.spec.provider import Address
@@ -17,8 +18,10 @@ from agent.spec.provider import Address
 T = TypeVar("T")
 
 
-class ClientGone(Exception):
+class ClientGone(ProviderdError):
     """The client closed its connection while it waited."""
+
+    code = "client_gone"
 
 
 class _Side(asyncio.Protocol):

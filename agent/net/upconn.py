@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol, cast
 
+from agent.errors import ProviderdError
 from agent.net.headcache import response_head
 from agent.net.http import (
     MAX_HEAD,
@@ -42,8 +43,10 @@ class Exchange(Protocol):
     def pause_client(self, on: bool) -> None: ...
 
 
-class UpstreamGone(Exception):
+class UpstreamGone(ProviderdError):
     """The upstream closed, reset or refused the connection."""
+
+    code = "worker_gone"
 
 
 class UpstreamConn(asyncio.BufferedProtocol):

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
+from agent.errors import ProviderdError
 from agent.net.sockio import nodelay
 from agent.spec.provider import Address
 
@@ -48,8 +49,10 @@ class Kept(Protocol):
     def close(self) -> None: ...
 
 
-class QueueFull(Exception):
+class QueueFull(ProviderdError):
     """More requests wait than `max_waiting`."""
+
+    code = "too_many_waiting"
 
 
 class Upstream:

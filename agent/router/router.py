@@ -37,6 +37,7 @@ import socket
 import stat
 from collections.abc import Callable, Iterable
 
+from agent.errors import ProviderdError
 from agent.net import auth, counters
 from agent.net.answers import Answer
 from agent.net.client import ClientConn
@@ -277,8 +278,10 @@ def discover_table() -> Table:
     return table
 
 
-class RouterError(Exception):
+class RouterError(ProviderdError):
     """The router cannot start; the message says why."""
+
+    code = "router_settings"
 
 
 def foreground(

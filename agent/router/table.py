@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Mapping
 
+from agent.errors import ProviderdError
 from agent.spec.patterns import Pattern, PatternError, compile_pattern, nested_repetition
 from agent.spec.provider import Address, Provider
 
@@ -22,16 +23,16 @@ CACHE_MAX = 4096  # pattern lookups remembered
 PATTERN_NAME_MAX = 256  # longer names are looked up exactly, never matched against patterns
 
 
-class Refusal(Exception):
+class Refusal(ProviderdError):
     """A request the router answers itself, with an OpenAI-style error body."""
+
+    code = "refused"
 
     def __init__(
         self, status: int, message: str, code: str, kind: str = "invalid_request_error"
     ) -> None:
-        super().__init__(message)
+        super().__init__(message, code=code)
         self.status = status
-        self.message = message
-        self.code = code
         self.kind = kind
 
     def body(self) -> dict[str, object]:

@@ -11,8 +11,6 @@ import re
 import agent
 from agent.errors import ProviderdError
 
-# Packages whose exception classes are still to be brought under the base.
-NOT_YET = {"agent.net", "agent.router"}
 CODE = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
 
 
@@ -32,10 +30,9 @@ def exception_classes() -> list[type[BaseException]]:
 def test_every_error_class_derives_from_the_base_with_a_code() -> None:
     classes = [c for c in exception_classes() if c is not ProviderdError]
     assert len(classes) >= 15
-    ours = [c for c in classes if not any(c.__module__.startswith(p) for p in NOT_YET)]
-    outside = [f"{c.__module__}.{c.__name__}" for c in ours if not issubclass(c, ProviderdError)]
+    outside = [f"{c.__module__}.{c.__name__}" for c in classes if not issubclass(c, ProviderdError)]
     assert outside == [], "derive these from agent.errors.ProviderdError"
-    for c in ours:
+    for c in classes:
         assert isinstance(c.code, str) and CODE.fullmatch(c.code), (c, c.code)
         assert c.code != ProviderdError.code, f"{c.__module__}.{c.__name__} needs a code"
 
