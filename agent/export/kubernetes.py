@@ -9,6 +9,10 @@ ReferenceGrant that lets them reach the add-on's interceptor in its own namespac
 Every key the engine cannot carry becomes a `Loss`. A loss that would silently weaken a
 guarantee (`weakens`) refuses the provider unless `lossy` is set; a `hard` one refuses it
 in any case. Pure: no I/O, and output depends only on the input (same bytes every run).
+
+Why this module is over 400 lines: it is the one table of what each manifest key becomes
+in Kubernetes, or why it cannot; the objects' shapes are in k8s_workload.py, the
+fixed values in k8s_values.py.
 """
 
 from __future__ import annotations

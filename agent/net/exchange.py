@@ -9,6 +9,10 @@ one is made only when something must be waited for (a start, a slot, a connect).
 
 Its time limits and the tunnel after a `101` are agent.net.streaming's; what a listener
 adds is its `Site` (agent.net.contract).
+
+Why this module is over 400 lines: a request's life is one object whose callbacks run
+in a fixed order (head, gate, lease, target, connect, body, response, end); split, the
+order would be spread across files that each need the others' state.
 """
 
 from __future__ import annotations

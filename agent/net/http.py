@@ -13,6 +13,10 @@ HTTP/1.1, no framing field spelt with an underscore, strict chunk-size lines (no
 spaces, no bare CR or LF). Anything else is refused with 400, so no worker can see a
 request boundary the front did not (request smuggling past the leases and
 `idle_ignore_paths`). Responses from the worker are read more leniently.
+
+Why this module is over 400 lines: request and response framing share one set of field
+rules and one chunked scanner, and the strictness above is only checkable read as a
+whole; each part is small and tested on its own (tests/unit/test_http*.py).
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ Two implementations of one interface:
   the unit is `Type=notify`, so a start job that ends "done" means the model answers.
 - `ProcessWorker` runs the same wrapper command as a child process (foreground mode),
   giving it a notify socket of its own so the wrapper's READY=1 means the same thing.
+
+Why this module is over 400 lines: the two implementations must mean the same thing by
+"started", "ready" and "stopped", and keeping them side by side is how that is
+checked when either changes.
 """
 
 from __future__ import annotations
