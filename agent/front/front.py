@@ -570,13 +570,18 @@ class Front:
         if start is not None and not start.done():
             start.cancel()  # released while it started: the start ends here, the stop reports
             await asyncio.wait({start})
-        await self.worker.stop()
-        self.upstream.clear()
-        await self.admission.released(self)
-        self.log.info("Worker stopped after %.1f s", loop.time() - began)
-        self._flush()
-        self._stopped.set()
-        self._dispatch(Event.STOPPED)
+        try:
+            await self.worker.stop()
+            self.upstream.clear()
+            await self.admission.released(self)
+            self.log.info("Worker stopped after %.1f s", loop.time() - began)
+        except Exception:
+            # The stop still ends: held requests are retried and waiters on it go on.
+            self.log.exception("Stopping the worker failed")
+        finally:
+            self._flush()
+            self._stopped.set()
+            self._dispatch(Event.STOPPED)
 
     async def _give_back(self) -> None:
         """No worker after a failure: what admission reserved goes back."""

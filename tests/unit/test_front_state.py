@@ -202,3 +202,37 @@ def test_systemctl_stop_while_the_worker_starts_cancels_the_start_and_exits() ->
     answer, begun, cancelled, done, took = asyncio.run(go())
     assert answer == {"stopped": True, "cut": 0}
     assert (begun, cancelled, done) == (1, 1, True) and took < 5
+
+
+class FailingStop(InProcessWorker):
+    """A worker whose stop raises (a bus error after the unit went), once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    async def stop(self) -> None:
+        await super().stop()
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("org.freedesktop.DBus.Error.NoReply")
+
+
+def test_a_stop_that_fails_still_ends_and_the_front_can_start_again() -> None:
+    async def go() -> tuple[dict[str, object], State]:
+        sock = listener()
+        worker = FailingStop()
+        front = Front(provider(), worker, [sock], exit_on_idle=False)
+        front.warm()
+        await until(front, State.READY)
+        stopped = await asyncio.wait_for(front.stop(grace_s=0.1), 5)
+        front.warm()
+        await until(front, State.READY)
+        state = front.state
+        await shutdown(front, worker)
+        sock.close()
+        return stopped, state
+
+    stopped, state = asyncio.run(go())
+    assert stopped == {"stopped": True, "cut": 0}
+    assert state == State.READY
