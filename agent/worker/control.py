@@ -150,12 +150,30 @@ class SystemdWorker:
             watching = asyncio.ensure_future(self.systemd.watch(self.unit, self._state_changed))
             self._watching = True
         job = asyncio.ensure_future(self.systemd.start_unit(self.unit))
-        answered = self._probe(env)
+        try:
+            await self._until_started(job, self._probe(env), watching)
+        except BaseException:
+            # Whatever ends a start here (its failure, a timeout, a cancel), systemd's job
+            # may still run: the worker is stopped, as ProcessWorker ends its child.
+            self._running = False
+            with contextlib.suppress(Exception):
+                await self.systemd.stop_unit(self.unit)
+            raise
+
+    async def _until_started(
+        self,
+        job: asyncio.Future[str],
+        answered: asyncio.Future[None] | None,
+        watching: asyncio.Future[None] | None,
+    ) -> None:
         try:
             waited: set[asyncio.Future[Any]] = {job} if answered is None else {job, answered}
             done, _ = await asyncio.wait(
                 waited, timeout=self.start_timeout_s + 30, return_when=asyncio.FIRST_COMPLETED
             )
+            if answered in done and job not in done and answered.exception() is not None:
+                # The probe broke, it did not see the model: the job alone decides.
+                done, _ = await asyncio.wait({job}, timeout=self.start_timeout_s + 30)
         finally:
             if answered is not None:
                 answered.cancel()
@@ -173,7 +191,6 @@ class SystemdWorker:
                     if failing is None:
                         raise
         if not done:
-            await self.systemd.stop_unit(self.unit)
             raise StartFailed(
                 f"worker did not become ready within {self.start_timeout_s:g} s",
                 await journal_tail(self.unit),

@@ -284,3 +284,35 @@ def test_http_readiness_needs_a_2xx_from_the_front_too() -> None:
 def test_notify_models_are_not_probed() -> None:
     worker = SystemdWorker(FakeSystemd(), "demo", start_timeout_s=5, ready=Ready("notify"))
     assert worker.ready is None
+
+
+def test_a_start_cancelled_after_startunit_stops_the_worker() -> None:
+    """systemd's job goes on when the bus call is dropped: the worker must not be left
+    starting (and holding its card) after whoever waited for it gave up."""
+    fake = FakeSystemd()
+    fake.unit(UNIT).behaviour = Behaviour(delay_s=0.3)
+    worker = SystemdWorker(fake, "demo", start_timeout_s=5)
+
+    async def go() -> str:
+        start = asyncio.create_task(worker.start({}, None))
+        await asyncio.sleep(0.05)
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        await asyncio.sleep(0.4)  # past the job's own end
+        return fake.unit(UNIT).active
+
+    assert asyncio.run(go()) == "inactive"
+    assert ("stop", UNIT) in fake.calls
+
+
+def test_a_probe_that_breaks_is_not_taken_for_the_model_answering() -> None:
+    fake = FakeSystemd()
+    worker = probing(fake, Ready("tcp"), delay_s=0.3, result="exit-code", status=5)
+
+    async def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("probe bug")
+
+    worker._probe = lambda env: asyncio.ensure_future(broken())  # type: ignore[method-assign]
+    with pytest.raises(StartFailed, match="status 5"):
+        asyncio.run(worker.start({"PROVIDERD_WORKER_PORT": "9"}, None))
