@@ -211,6 +211,10 @@ class Exchange(Streaming):
             self.task = None
             self.answer(self.site.unreachable(self, target, error_text(e)))
             return
+        except Exception as e:  # a bug, not the network: answered, the lease goes back
+            self.task = None
+            self.refuse(e)
+            return
         self.task = None
         if self.over:
             up.close()
@@ -337,7 +341,17 @@ class Exchange(Streaming):
         self.spawn(self.gone(e))
 
     async def gone(self, e: UpstreamGone) -> None:
-        answer = await self.site.upstream_gone(self, str(e))
+        try:
+            answer = await self.site.upstream_gone(self, str(e))
+        except asyncio.CancelledError:
+            self.task = None
+            if not self.over:
+                self.end(keep_client=False)
+            return
+        except Exception as error:  # a bug in the site: answered, the lease goes back
+            self.task = None
+            self.refuse(error)
+            return
         self.task = None
         if not self.over:
             self.answer(answer)
