@@ -46,8 +46,12 @@ def push(out: TextIO, err: TextIO) -> int:
     for sock in sorted(paths.runtime_dir().glob("*/control.sock")):
         try:
             answer = rpc.call(sock, {"op": "keys", "keys": wire}, timeout=5.0)
-        except (rpc.RpcError, ValueError):
-            continue  # not running: it reads the keys when it starts
+        except rpc.NotRunning:
+            continue  # it reads the keys when it starts
+        except (rpc.RpcError, ValueError) as e:  # running, but the keys may not be in force
+            err.write(f"providerctl: {sock.parent.name}: failed to hand over the keys: {e}\n")
+            failed += 1
+            continue
         if "error" in answer:
             err.write(f"providerctl: {sock.parent.name}: {answer['error']}\n")
             failed += 1

@@ -30,6 +30,12 @@ class RpcError(ProviderdError):
     code = "control_socket"
 
 
+class NotRunning(RpcError):
+    """Nobody listens on the control socket: the front is not running."""
+
+    code = "not_running"
+
+
 async def serve(path: Path, handler: Handler) -> asyncio.AbstractServer:
     """Listen on `path` (replacing a stale socket) and answer each line with `handler`."""
 
@@ -78,9 +84,9 @@ def call(path: Path, request: dict[str, Any], timeout: float = 10.0) -> dict[str
                     break
                 data += chunk
     except FileNotFoundError:
-        raise RpcError("not running") from None
+        raise NotRunning("not running") from None
     except ConnectionRefusedError:
-        raise RpcError("not running (stale control socket)") from None
+        raise NotRunning("not running (stale control socket)") from None
     except OSError as e:
         raise RpcError(str(e)) from None
     if not data:
@@ -98,7 +104,7 @@ async def acall(path: Path, request: dict[str, Any], timeout: float = 10.0) -> d
             asyncio.open_unix_connection(str(path), limit=MAX_LINE), timeout
         )
     except (FileNotFoundError, ConnectionRefusedError):
-        raise RpcError("not running") from None
+        raise NotRunning("not running") from None
     except (OSError, TimeoutError) as e:
         raise RpcError(str(e) or "timed out") from None
     try:

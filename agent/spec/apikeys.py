@@ -197,8 +197,15 @@ def parse(raw: bytes, source: str) -> KeySet:
 
 def keys_on(path: Path | None = None) -> bool:
     """Whether keys are on: the keys file exists (whatever it holds). The worker's unit
-    conditions test the same path."""
-    return os.path.lexists(path or paths.keys_file())
+    conditions test the same path. A file that cannot be looked at (a directory on its
+    way that we may not search) counts as there: keys fail closed, never open."""
+    try:
+        os.lstat(path or paths.keys_file())
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _read(path: Path, credential: Path | None) -> KeySet:
