@@ -24,8 +24,8 @@ from agent.front.state import State
 from agent.net.answers import Answer
 from agent.net.auth import Refusal, authenticate, authorize, may_start
 from agent.net.http import RequestHead
-from agent.router.router import table_from
 from agent.router.table import Refusal as RouterRefusal
+from agent.router.table import table_from
 from agent.spec.apikeys import KeySet
 from agent.spec.provider import Provider
 

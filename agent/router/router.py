@@ -35,7 +35,7 @@ import os
 import signal
 import socket
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from agent.errors import ProviderdError
 from agent.net import auth, counters
@@ -54,6 +54,7 @@ from agent.router.table import (
     model_of,
     nested_repetition,
     quoted,
+    table_from,
     target_address,
 )
 from agent.signals import handling
@@ -247,16 +248,6 @@ class Router:
 
 
 # ============================================================================ starting it
-
-
-def table_from(providers: Iterable[Provider]) -> Table:
-    """The routing table, with each manifest's modification time as its models' `created`."""
-    providers = list(providers)
-    created: dict[str, int] = {}
-    for p in providers:
-        with contextlib.suppress(OSError):
-            created[p.slug] = int(p.source.stat().st_mtime)
-    return Table(providers, created)
 
 
 def discover_table() -> Table:

@@ -8,6 +8,7 @@ command line or a path.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterable, Mapping
 
@@ -186,3 +187,13 @@ def model_of(body: bytes | bytearray) -> str:
     if not isinstance(model, str) or not model:
         raise Refusal(400, 'The request body\'s "model" is not a non-empty string', "invalid_model")
     return model
+
+
+def table_from(providers: Iterable[Provider]) -> Table:
+    """The routing table, with each manifest's modification time as its models' `created`."""
+    providers = list(providers)
+    created: dict[str, int] = {}
+    for p in providers:
+        with contextlib.suppress(OSError):
+            created[p.slug] = int(p.source.stat().st_mtime)
+    return Table(providers, created)
