@@ -66,12 +66,18 @@ class _Outcome:
     extra: dict[str, object] = field(default_factory=dict)  # more JSON for the 503
 
 
+def cold_start_refused(slug: str) -> Unavailable:
+    """The 403 for a request whose key may not start the model, once it would."""
+    return Unavailable(403, auth.cold_start_message(slug), code=auth.COLD_START_NOT_ALLOWED)
+
+
 class _Lease:
-    __slots__ = ("front", "held")
+    __slots__ = ("front", "held", "may_start")
 
     def __init__(self, front: Front, held: bool) -> None:
         self.front = front
         self.held = held
+        self.may_start = True  # False: its key has can_start = false (agent.front.gate)
         if held:
             front._lease_begin()
 
@@ -93,7 +99,9 @@ class _Worker:
         self.source = front.worker_host if front.worker_host != "127.0.0.1" else None
 
     def lease(self, path: str | None) -> _Lease:
-        return self.front.lease(path)
+        lease = self.front.lease(path)
+        lease.may_start = self.front.request_gate.may_start
+        return lease
 
     def request_gate(self, req: RequestHead) -> Answer | None:
         """API keys, and the model list while the worker is not ready (agent.front.gate)."""
@@ -110,8 +118,8 @@ class _Worker:
         front = self.front
         return (front.address, front.generation) if front.state == State.READY else None
 
-    async def ready(self) -> tuple[Address, int]:
-        return await self.front.ready()
+    async def ready(self, may_start: bool = True) -> tuple[Address, int]:
+        return await self.front.ready(may_start=may_start)
 
     def alive(self, generation: int) -> bool:
         front = self.front
@@ -321,7 +329,10 @@ class Front:
 
     # ------------------------------------------------------------------ the worker
 
-    async def ready(self, cause: str = "request") -> tuple[Address, int]:
+    async def ready(self, cause: str = "request", may_start: bool = True) -> tuple[Address, int]:
+        """The worker's address once it is ready. `may_start=False` (a key with
+        `can_start = false`): served by a worker that runs or starts, never the cause of a
+        start, also when the worker goes away while the request waits."""
         if self.state == State.READY:
             return self.address, self.generation
         if len(self.waiters) + self.upstream.waiting >= self.provider.max_held:
@@ -329,6 +340,9 @@ class Front:
             raise too_many_waiting(self.provider.max_held)
         loop = asyncio.get_running_loop()
         while True:  # once more each time the worker stopped under the wait (RETRY_WAITERS)
+            if not may_start and self.state not in (State.READY, State.STARTING):
+                self.counters.count_refused("forbidden")
+                raise cold_start_refused(self.provider.slug)
             future: asyncio.Future[bool] = loop.create_future()
             self.waiters.append(future)
             try:

@@ -56,14 +56,19 @@ class Gate:
             else frozenset()
         )
         self.table = table_from([provider])
+        # Whether the request just let through may cause a start: read by the lease taken
+        # at once after the gate, in the same callback (agent.net.exchange.begin).
+        self.may_start = True
 
     def __call__(self, req: RequestHead) -> Answer | None:
         models = models_request(req)
         state = self.state()
+        self.may_start = True
         if self.keys is not None and req.path not in self.open_paths:
             key = authenticate(self.keys, req)
             if isinstance(key, Refusal):
                 return key.answer()
+            self.may_start = key.can_start
             refused = authorize(key, self.slug)
             if refused is None and models is None and state not in (State.READY, State.STARTING):
                 refused = may_start(key, self.slug)

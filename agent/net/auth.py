@@ -126,9 +126,14 @@ def may_start(key: ApiKey, slug: str) -> Refusal | None:
     only while the model is not running."""
     if key.can_start:
         return None
-    return Refusal(
-        403,
-        "cold_start_not_allowed",
+    return Refusal(403, COLD_START_NOT_ALLOWED, cold_start_message(slug))
+
+
+COLD_START_NOT_ALLOWED = "cold_start_not_allowed"
+
+
+def cold_start_message(slug: str) -> str:
+    return (
         f'The model of provider "{slug}" is not running and this API key may not start it '
-        "(can_start = false); it is served once the model runs",
+        "(can_start = false); it is served once the model runs"
     )

@@ -32,6 +32,7 @@ class Exchange(Protocol):
     slot: bool  # it holds one of the upstream's concurrency slots
     label: tuple[str, str]  # what the site counts it under
     continued: bool  # the site sent `100 Continue`
+    lease: Lease | None  # what the site's `lease()` gave it, until it ends
 
     @property
     def target(self) -> Target | None:

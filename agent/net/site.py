@@ -80,7 +80,7 @@ class Backend(Protocol):
         TCP connection (None). May raise Unavailable."""
         ...
 
-    async def ready(self) -> tuple[Address, int]:
+    async def ready(self, may_start: bool = True) -> tuple[Address, int]:
         """Wait until the worker answers; return its address and a generation number that
         changes with every worker start. Raises Unavailable. Cancelled when the client goes
         away while it waits; the load must go on regardless."""
@@ -165,11 +165,16 @@ class FrontSite:
 
     async def target(self, ex: Exchange) -> Target:
         backend = self.backend
-        await backend.ready()
+        if getattr(ex.lease, "may_start", True):
+            await backend.ready()
+            await backend.upstream.acquire(backend.waiting_for_start())
+            ex.slot = True
+            # The worker may have been replaced while this request waited for its slot.
+            return await backend.ready()
+        await backend.ready(may_start=False)
         await backend.upstream.acquire(backend.waiting_for_start())
         ex.slot = True
-        # The worker may have been replaced while this request waited for its slot.
-        return await backend.ready()
+        return await backend.ready(may_start=False)
 
     def kept(self, ex: Exchange, target: Target) -> UpstreamConn | None:
         up = self.backend.upstream.take_idle(target[1])

@@ -236,3 +236,36 @@ def test_a_stop_that_fails_still_ends_and_the_front_can_start_again() -> None:
     stopped, state = asyncio.run(go())
     assert stopped == {"stopped": True, "cut": 0}
     assert state == State.READY
+
+
+def test_a_request_that_may_not_start_the_model_never_does() -> None:
+    """A key with can_start = false was let in while the worker ran; the worker went
+    away while the request waited: the request is refused, the model does not start."""
+    from agent.net.site import Unavailable
+
+    async def go() -> tuple[int, int, int]:
+        sock = listener()
+        worker = InProcessWorker()
+        front = Front(provider(), worker, [sock], exit_on_idle=False)
+        refused = 0
+        try:
+            await front.ready(may_start=False)
+        except Unavailable as e:
+            refused = e.status
+        starts_idle = worker.starts
+        front.warm()
+        await until(front, State.READY)
+        await front.ready(may_start=False)  # running: served
+        await asyncio.wait_for(front.stop(grace_s=0.1), 5)
+        try:
+            await front.ready(may_start=False)
+        except Unavailable:
+            refused += 1
+        starts = worker.starts
+        await shutdown(front, worker)
+        sock.close()
+        return refused, starts_idle, starts
+
+    refused, starts_idle, starts = asyncio.run(go())
+    assert refused == 403 + 1
+    assert starts_idle == 0 and starts == 1

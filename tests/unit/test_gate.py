@@ -181,3 +181,11 @@ def test_the_control_socket_tells_who_connects(tmp_path: object) -> None:
 
     asyncio.run(go())
     assert seen == [os.getuid()]
+
+
+def test_the_gate_tells_the_lease_whether_the_key_may_start_the_model() -> None:
+    g = gate(State.READY)
+    assert g(head("POST", "/v1/embeddings", f"x-api-key: {BOB}")) is None
+    assert g.may_start is False  # served while it runs, but must never cause a start
+    assert g(head("POST", "/v1/embeddings", f"x-api-key: {ALICE}")) is None
+    assert g.may_start is True
