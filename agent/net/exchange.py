@@ -169,6 +169,16 @@ class Exchange(Streaming):
         else:
             self.answer(answer)
 
+    def task_ended(self, e: BaseException) -> None:
+        """The exchange's task did not get what it waited for: cancelled (the exchange
+        ends), or an error (answered as a refusal; either way the lease goes back)."""
+        self.task = None
+        if not isinstance(e, Exception):
+            if not self.over:
+                self.end(keep_client=False)
+        else:
+            self.refuse(e)
+
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         self.task = task = self.loop.create_task(coro)
         task.add_done_callback(_retrieve)
@@ -176,14 +186,8 @@ class Exchange(Streaming):
     async def wait_target(self) -> None:
         try:
             target = await self.site.target(self)
-        except asyncio.CancelledError:
-            self.task = None
-            if not self.over:
-                self.end(keep_client=False)
-            return
-        except Exception as e:
-            self.task = None
-            self.refuse(e)
+        except (asyncio.CancelledError, Exception) as e:
+            self.task_ended(e)
             return
         self.task = None
         if not self.over:
@@ -202,18 +206,12 @@ class Exchange(Streaming):
         assert target is not None
         try:
             up = await self.site.connect(self, target)
-        except asyncio.CancelledError:
-            self.task = None
-            if not self.over:
-                self.end(keep_client=False)
-            return
         except OSError as e:
             self.task = None
             self.answer(self.site.unreachable(self, target, error_text(e)))
             return
-        except Exception as e:  # a bug, not the network: answered, the lease goes back
-            self.task = None
-            self.refuse(e)
+        except (asyncio.CancelledError, Exception) as e:
+            self.task_ended(e)
             return
         self.task = None
         if self.over:
@@ -343,14 +341,8 @@ class Exchange(Streaming):
     async def gone(self, e: UpstreamGone) -> None:
         try:
             answer = await self.site.upstream_gone(self, str(e))
-        except asyncio.CancelledError:
-            self.task = None
-            if not self.over:
-                self.end(keep_client=False)
-            return
-        except Exception as error:  # a bug in the site: answered, the lease goes back
-            self.task = None
-            self.refuse(error)
+        except (asyncio.CancelledError, Exception) as error:
+            self.task_ended(error)
             return
         self.task = None
         if not self.over:
