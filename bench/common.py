@@ -96,7 +96,7 @@ def always_ready_front(worker_port: int) -> None:
         def ready_now(self) -> tuple[Addr, int]:
             return self.address, 1
 
-        async def ready(self) -> tuple[Addr, int]:
+        async def ready(self, may_start: bool = True) -> tuple[Addr, int]:
             return self.address, 1
 
     async def main() -> None:

@@ -165,16 +165,12 @@ class FrontSite:
 
     async def target(self, ex: Exchange) -> Target:
         backend = self.backend
-        if getattr(ex.lease, "may_start", True):
-            await backend.ready()
-            await backend.upstream.acquire(backend.waiting_for_start())
-            ex.slot = True
-            # The worker may have been replaced while this request waited for its slot.
-            return await backend.ready()
-        await backend.ready(may_start=False)
+        may_start = getattr(ex.lease, "may_start", True)  # False: its key may not start it
+        await backend.ready(may_start)
         await backend.upstream.acquire(backend.waiting_for_start())
         ex.slot = True
-        return await backend.ready(may_start=False)
+        # The worker may have been replaced while this request waited for its slot.
+        return await backend.ready(may_start)
 
     def kept(self, ex: Exchange, target: Target) -> UpstreamConn | None:
         up = self.backend.upstream.take_idle(target[1])
