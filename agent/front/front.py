@@ -348,10 +348,9 @@ class Front:
             try:
                 self._dispatch(Event.DEMAND, cause)
                 served = await asyncio.shield(future)
-            except Unavailable:
+            except Unavailable as e:
                 if cause == "request":
-                    gpu = "holders" in self.failure_extra
-                    self.counters.count_refused("gpu_unavailable" if gpu else "start_failed")
+                    self.counters.count_refused(e.code)  # gpu_unavailable or start_failed
                 raise
             finally:
                 if future in self.waiters:
