@@ -38,10 +38,8 @@ import stat
 from collections.abc import Callable
 
 from agent.errors import ProviderdError
-from agent.net import auth, counters
-from agent.net.answers import Answer
+from agent.net import counters
 from agent.net.client import ClientConn
-from agent.net.http import RequestHead
 from agent.net.listeners import HttpListeners
 from agent.net.origin import OriginCheck
 from agent.net.ratelog import RateLog
@@ -119,9 +117,7 @@ class Router:
         self.origin = OriginCheck(config.addresses)
         self.in_flight = 0  # requests in flight
         self.keys = keys  # API keys (None: off)
-        self.site = RouterSite(self, self.note)
-        if keys is not None:  # the request gate: 401 on the head alone
-            self.site.request_gate = self.authenticate
+        self.site = RouterSite(self, self.note)  # its gate checks the keys: 401 on the head
         # Each new connection counts as busy until its first request, FIRST_REQUEST_GRACE_S
         # at most: counted in the accept callback itself, an idle exit decided in this same
         # turn of the loop sees it.
@@ -133,12 +129,6 @@ class Router:
         self._dns: asyncio.Task[None] | None = None
         self.counters = counters.load_router(log)  # where the last router left off
         self._flush_timer: asyncio.TimerHandle | None = None
-
-    def authenticate(self, req: RequestHead) -> Answer | None:
-        """The router's key check on a request head: None, or the 401."""
-        assert self.keys is not None
-        key = auth.authenticate(self.keys, req)
-        return key.answer() if isinstance(key, auth.Refusal) else None
 
     def count(self, provider: str, model: str, status: int) -> None:
         """One answered request (`providerd_router_requests_total`), saved within 5 s."""

@@ -1,9 +1,10 @@
 """The router's site on the connection core: the model lookup.
 
 Per request: the gate (upgrades 501; what a web page could send, 403/415; a declared body
-over `max_body`, 413; then any hook added), the whole body read here (growing with what
-arrives, bounded by `max_body`; `Expect: 100-continue` answered here, since the body must
-be read to route), its `model` looked up, and the request sent as received to the
+over `max_body`, 413; with API keys on, the key, 401; then any hook added), the whole
+body read here (growing with what arrives, bounded by `max_body`; `Expect: 100-continue`
+answered here, since the body must be read to route), its `model` looked up and the scope
+of the key the gate found checked (403), and the request sent as received to the
 provider's own first listen address on a kept connection or a new one. A `100 Continue`
 from the provider is dropped when the router already sent one.
 """
@@ -59,11 +60,15 @@ KEPT_PER_PROVIDER = 256  # idle connections kept to one provider's front
 
 
 class _Lease:
-    __slots__ = ("conn", "router")
+    """A request in flight, with the API key the gate let it through with (None: keys off),
+    so that its scope is checked against the key found once, by the gate."""
 
-    def __init__(self, router: Routing, conn: ClientConn) -> None:
+    __slots__ = ("conn", "key", "router")
+
+    def __init__(self, router: Routing, conn: ClientConn, key: ApiKey | None) -> None:
         self.router: Routing | None = router
         self.conn = conn
+        self.key = key
         router.begin(conn)
 
     def release(self) -> None:
@@ -80,9 +85,12 @@ class RouterSite:
     def __init__(self, router: Routing, note: Callable[[int, str, str], None]) -> None:
         self.router = router
         self.note_refusal = note
-        self.request_gate: Gate | None = None
+        self.request_gate: Gate | None = None  # a further check, after the API key's
         self.pools: dict[str, Upstream] = {}  # kept connections, per provider
         self.providers: dict[str, Provider] = {}
+        # The key the gate just let through: taken by the lease made at once after the
+        # gate, in the same callback (agent.net.exchange.Exchange.begin).
+        self.passed: ApiKey | None = None
 
     @property
     def max_body(self) -> int:
@@ -119,6 +127,13 @@ class RouterSite:
             return Answer(status, message, code, close=True)
         if req.body == "length" and req.length > self.max_body:
             return self.too_large()
+        self.passed = None
+        keys = self.router.keys
+        if keys is not None:  # 401 on the head alone
+            key = auth.authenticate(keys, req)
+            if isinstance(key, auth.Refusal):
+                return key.answer()
+            self.passed = key
         if self.request_gate is not None:
             return self.request_gate(req)
         return None
@@ -134,7 +149,8 @@ class RouterSite:
         )
 
     def lease(self, ex: Exchange) -> _Lease:
-        return _Lease(self.router, ex.conn)
+        key, self.passed = self.passed, None
+        return _Lease(self.router, ex.conn, key)
 
     def collecting(self, ex: Exchange) -> None:
         ex.send_continue()
@@ -188,14 +204,9 @@ class RouterSite:
         ex.reply(200, table.entry(name, provider))
 
     def key(self, ex: Exchange) -> ApiKey | None:
-        """The request's API key (the gate let it through), or None with keys off."""
-        keys = self.router.keys
-        if keys is None:
-            return None
-        key = auth.authenticate(keys, ex.req)
-        if isinstance(key, auth.Refusal):  # the gate refused it already; never here
-            raise Refusal(key.status, key.message, key.code)
-        return key
+        """The API key the gate let the request through with, or None with keys off."""
+        lease = ex.lease
+        return lease.key if isinstance(lease, _Lease) else None
 
     def in_scope(self, ex: Exchange, slug: str) -> None:
         """Raises Refusal(403) when the request's key does not reach provider `slug`."""

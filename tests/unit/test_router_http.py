@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import socket
@@ -25,6 +26,7 @@ from support.rawhttp import RawClient, Reader, Request, read_request
 from agent.net import ratelog, sockio
 from agent.router import router as router_module
 from agent.router.router import Router, Table
+from agent.spec.apikeys import ApiKey, KeySet
 from agent.spec.provider import Address, Provider
 from agent.spec.settings import RouterConfig
 
@@ -93,7 +95,13 @@ class FakeProvider:
 
 
 class RunningRouter:
-    def __init__(self, providers: list[Provider], config: RouterConfig, exit_on_idle: bool):
+    def __init__(
+        self,
+        providers: list[Provider],
+        config: RouterConfig,
+        exit_on_idle: bool,
+        keys: KeySet | None = None,
+    ):
         self.listener = socket.socket()
         self.listener.bind(("127.0.0.1", 0))
         self.listener.listen(64)
@@ -103,12 +111,18 @@ class RunningRouter:
         self.ready = threading.Event()
         self.router: Router | None = None
         self.thread = threading.Thread(
-            target=self._run, args=(providers, config, exit_on_idle), daemon=True
+            target=self._run, args=(providers, config, exit_on_idle, keys), daemon=True
         )
         self.thread.start()
         assert self.ready.wait(5)
 
-    def _run(self, providers: list[Provider], config: RouterConfig, exit_on_idle: bool) -> None:
+    def _run(
+        self,
+        providers: list[Provider],
+        config: RouterConfig,
+        exit_on_idle: bool,
+        keys: KeySet | None,
+    ) -> None:
         async def main() -> None:
             self.router = Router(
                 Table(providers),
@@ -116,6 +130,7 @@ class RunningRouter:
                 [self.listener],
                 exit_on_idle=exit_on_idle,
                 notify=self.notified.append,
+                keys=keys,
             )
             self.router.start_accepting()
             self.ready.set()
@@ -152,10 +167,14 @@ def start() -> Iterator[Callable[..., RunningRouter]]:
     running: list[RunningRouter] = []
 
     def make(
-        *providers: Provider, max_body: int = 1 << 20, idle: float = 600, exit_on_idle: bool = False
+        *providers: Provider,
+        max_body: int = 1 << 20,
+        idle: float = 600,
+        exit_on_idle: bool = False,
+        keys: KeySet | None = None,
     ) -> RunningRouter:
         config = RouterConfig(enabled=True, max_body=max_body, idle_timeout_s=idle)
-        r = RunningRouter(list(providers), config, exit_on_idle)
+        r = RunningRouter(list(providers), config, exit_on_idle, keys)
         running.append(r)
         return r
 
@@ -672,3 +691,71 @@ def test_the_request_gate_runs_before_the_body_is_routed(
     c.send(post("a-1", extra=b"x-api-key: k\r\n"))
     assert c.response()[0] == 200
     assert len(alpha.requests) == 1
+
+
+# -- API keys ------------------------------------------------------------------------------
+
+FULL_KEY, ALPHA_KEY = "pd-full-0123456789", "pd-alpha-0123456789"
+
+
+def key_set() -> KeySet:
+    def digest(token: str) -> bytes:
+        return hashlib.sha256(token.encode()).digest()
+
+    return KeySet(
+        (
+            ApiKey("full", digest(FULL_KEY)),
+            ApiKey("alpha_only", digest(ALPHA_KEY), providers=("alpha",)),
+        )
+    )
+
+
+def test_with_keys_on_the_router_finds_each_requests_key_once(
+    start: Callable[..., RunningRouter],
+    alpha: FakeProvider,
+    beta: FakeProvider,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """401 without a key, 403 for a provider the key does not reach (on a routed POST and on
+    a model's own entry), the list narrowed to what the key reaches: all from one look-up
+    of the key per request, the gate's, whose result the scope check takes over."""
+    looked_up: list[str] = []
+    find = KeySet.find
+
+    def spy(self: KeySet, token: str) -> ApiKey | None:
+        looked_up.append(token)
+        return find(self, token)
+
+    monkeypatch.setattr(KeySet, "find", spy)
+    r = start(alpha.provider(names=("a-1",)), beta.provider(names=("b-1",)), keys=key_set())
+    c = Client(r.port)
+
+    def ask(request: bytes, key: str | None) -> tuple[int, dict[str, str], bytes]:
+        if key is not None:
+            end = request.index(b"\r\n") + 2
+            request = request[:end] + b"Authorization: Bearer %s\r\n" % key.encode() + request[end:]
+        c.send(request)
+        return c.response()
+
+    status, headers, body = ask(post("a-1"), None)
+    assert (status, error(body)["code"]) == (401, "missing_api_key")
+    assert headers["www-authenticate"].startswith("Bearer")
+    assert looked_up == []  # no key, nothing to look up
+    status, _, body = ask(post("a-1"), "pd-wrong")
+    assert (status, error(body)["code"]) == (401, "invalid_api_key")
+    assert looked_up == ["pd-wrong"]
+    status, _, body = ask(post("b-1"), ALPHA_KEY)
+    assert (status, error(body)["code"]) == (403, "key_out_of_scope")
+    assert beta.requests == []
+    status, _, body = ask(post("a-1"), ALPHA_KEY)
+    assert (status, json.loads(body)["provider"]) == (200, "alpha")
+    status, _, body = ask(b"GET /v1/models/b-1 HTTP/1.1\r\nHost: localhost\r\n\r\n", ALPHA_KEY)
+    assert (status, error(body)["code"]) == (403, "key_out_of_scope")
+    status, _, body = ask(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n", ALPHA_KEY)
+    assert [m["id"] for m in json.loads(body)["data"]] == ["a-1"]
+    status, _, body = ask(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n", FULL_KEY)
+    assert [m["id"] for m in json.loads(body)["data"]] == ["a-1", "b-1"]
+    status, _, body = ask(post("b-1"), FULL_KEY)
+    assert (status, json.loads(body)["provider"]) == (200, "beta")
+    assert looked_up == ["pd-wrong"] + [ALPHA_KEY] * 4 + [FULL_KEY] * 2  # once per request
+    assert len(alpha.requests) == 1 and len(beta.requests) == 1
