@@ -262,13 +262,21 @@ class RouterCounters:
     requests: dict[tuple[str, str, int], int] = field(default_factory=dict)
     dirty: bool = False
     live: CounterFile | None = field(default=None, repr=False, compare=False)
+    # Each label set's name in the live file, spelt once (the labels are bounded).
+    _names: dict[tuple[str, str, int], str] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def count(self, provider: str, model: str, status: int) -> None:
         k = (provider, model, status)
-        self.requests[k] = self.requests.get(k, 0) + 1
+        requests = self.requests
+        requests[k] = requests.get(k, 0) + 1
         self.dirty = True
         if self.live is not None:
-            self.live.add(_router_key(*k))
+            name = self._names.get(k)
+            if name is None:
+                name = self._names[k] = _router_key(*k)
+            self.live.add(name)
 
     def to_json(self) -> list[dict[str, Any]]:
         return [
