@@ -159,6 +159,17 @@ def dechunk(buf: bytes | bytearray, start: int, end: int) -> bytes:
     return bytes(out)
 
 
+_DECODER = json.JSONDecoder()
+
+
+def _decode(body: bytes | bytearray) -> object:
+    """json.loads(body), without its look for a UTF-16 or UTF-32 body in the usual case: a
+    body that begins `{` and a byte other than NUL is UTF-8 to json.loads as well."""
+    if body[:1] == b"{" and body[1:2] != b"\x00":
+        return _DECODER.decode(body.decode("utf-8", "surrogatepass"))
+    return json.loads(body)
+
+
 def model_of(body: bytes | bytearray) -> str:
     """The top-level `model` of a JSON request body. Raises Refusal(400)."""
     if not body or body.isspace():
@@ -168,7 +179,7 @@ def model_of(body: bytes | bytearray) -> str:
             "missing_model",
         )
     try:
-        doc = json.loads(body)
+        doc = _decode(body)
     except (ValueError, RecursionError):
         raise Refusal(
             400,

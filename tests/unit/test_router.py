@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from agent.net.http import ChunkedScanner
 from agent.router import table as routing
@@ -172,6 +174,52 @@ def test_model_of_takes_the_top_level_model() -> None:
     assert model_of(b'  {"messages": [{"model": "inner"}], "model": "outer"}\n') == "outer"
     assert model_of('{"model": "ünï"}'.encode()) == "ünï"
     assert model_of('{"model": "x"}'.encode("utf-16")) == "x"  # RFC 8259 detection
+
+
+JSONISH = st.text(alphabet='{}[]":, \t\r\n\x00\\umodelx1.-eü\ud800', max_size=40)
+
+
+@settings(max_examples=500)
+@given(
+    st.one_of(
+        st.binary(max_size=40),
+        st.tuples(JSONISH, st.sampled_from(["utf-8", "utf-16-le", "utf-16", "utf-32-le"])).map(
+            lambda t: t[0].encode(t[1], "surrogatepass")
+        ),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+            lambda inner: (
+                st.lists(inner, max_size=3)
+                | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+            ),
+            max_leaves=8,
+        ).flatmap(
+            lambda doc: st.sampled_from(["utf-8", "utf-16-le", "utf-16-be", "utf-32-le"]).map(
+                lambda codec: json.dumps(doc, ensure_ascii=False).encode(codec, "surrogatepass")
+            )
+        ),
+    )
+)
+@example('{"model": "x"}'.encode("utf-16-le"))
+@example('{"model": "x"}'.encode("utf-32-le"))
+@example('{"model": "x"}'.encode("utf-8-sig"))
+def test_the_body_is_read_as_json_loads_reads_it(body: bytes) -> None:
+    """The quick way to the JSON document (UTF-8 when the body begins `{`) gives what
+    json.loads gives, or fails where it fails."""
+    try:
+        expected: object = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        expected = type(e)
+    try:
+        got: object = routing._decode(body)
+    except (ValueError, RecursionError) as e:
+        got = type(e)
+    assert repr(got) == repr(expected)
+
+
+def test_a_utf8_body_with_an_escaped_surrogate_reads_as_json_loads_reads_it() -> None:
+    body = b'{"model": "\xed\xa0\x80"}'  # a lone surrogate, as json.loads takes it
+    assert model_of(body) == json.loads(body)["model"]
 
 
 def test_a_model_deep_in_a_large_body() -> None:
