@@ -57,6 +57,7 @@ class Routing(Protocol):
 
 log = logging.getLogger("providerd.router")
 KEPT_PER_PROVIDER = 256  # idle connections kept to one provider's front
+ROUTES_MAX = 4096  # model names whose route is remembered
 
 
 class _Lease:
@@ -77,6 +78,17 @@ class _Lease:
             router.end(self.conn)
 
 
+class _Route:
+    """Where the requests for one model name go, and what they are counted under."""
+
+    __slots__ = ("label", "slug", "target")
+
+    def __init__(self, provider: Provider, exact: str) -> None:
+        self.slug = provider.slug
+        self.label = (provider.slug, exact)  # exact: the name if the table spells it, or ""
+        self.target: Target = (target_address(provider.addresses[0]), 0)
+
+
 class RouterSite:
     peer = "provider"
     collects = True
@@ -87,7 +99,8 @@ class RouterSite:
         self.note_refusal = note
         self.request_gate: Gate | None = None  # a further check, after the API key's
         self.pools: dict[str, Upstream] = {}  # kept connections, per provider
-        self.providers: dict[str, Provider] = {}
+        self.routes: dict[str, _Route] = {}  # model name -> where it goes, for `routes_of`
+        self.routes_of: Table | None = None
         # The key the gate just let through: taken by the lease made at once after the
         # gate, in the same callback (agent.net.exchange.Exchange.begin).
         self.passed: ApiKey | None = None
@@ -164,32 +177,43 @@ class RouterSite:
     def target_now(self, ex: Exchange) -> Target | None:
         """The provider the body names (raises Refusal), or None: answered here."""
         req = ex.req
-        path = req.path
-        table = self.router.table
-        if req.method in ("GET", "HEAD") and (
-            path == MODELS_PATH or path.startswith(MODELS_PATH + "/")
-        ):
-            self.local(ex, path)
-            return None
+        if req.method in ("GET", "HEAD"):
+            path = req.path
+            if path == MODELS_PATH or path.startswith(MODELS_PATH + "/"):
+                self.local(ex, path)
+                return None
         data, start = ex.data, ex.head_len
-        if req.body == "chunked":
-            body = dechunk(data, start, len(data))
-        else:
-            body = bytes(memoryview(data)[start:])
+        body = dechunk(data, start, len(data)) if req.body == "chunked" else data[start:]
         model = model_of(body)
-        provider = table.lookup(model)
-        ex.label = (provider.slug, model if model in table.names else "")
-        self.in_scope(ex, provider.slug)
-        self.providers[provider.slug] = provider
+        route = self.route(model)
+        ex.label = route.label
+        key = self.key(ex)
+        if key is not None:
+            self.in_scope(key, route.slug)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "Routing %s %s for model %s to %s",
                 req.method,
                 quoted(req.target),
                 quoted(model),
-                provider.slug,
+                route.slug,
             )
-        return target_address(provider.addresses[0]), 0
+        return route.target
+
+    def route(self, model: str) -> _Route:
+        """Where `model` goes (raises Refusal: 404, 409), remembered per name while the
+        table stays the same."""
+        table = self.router.table
+        if self.routes_of is not table:
+            self.routes_of, self.routes = table, {}
+        route = self.routes.get(model)
+        if route is None:
+            provider = table.lookup(model)
+            route = _Route(provider, model if model in table.names else "")
+            if len(self.routes) >= ROUTES_MAX:
+                self.routes.clear()
+            self.routes[model] = route
+        return route
 
     def local(self, ex: Exchange, path: str) -> None:
         """`GET /v1/models` and `GET /v1/models/<name>`."""
@@ -200,7 +224,9 @@ class RouterSite:
             return
         name = unquote(path[len(MODELS_PATH) + 1 :])
         provider = table.lookup(name)  # Refusal: 404, 409
-        self.in_scope(ex, provider.slug)
+        key = self.key(ex)
+        if key is not None:
+            self.in_scope(key, provider.slug)
         ex.reply(200, table.entry(name, provider))
 
     def key(self, ex: Exchange) -> ApiKey | None:
@@ -208,10 +234,9 @@ class RouterSite:
         lease = ex.lease
         return lease.key if isinstance(lease, _Lease) else None
 
-    def in_scope(self, ex: Exchange, slug: str) -> None:
-        """Raises Refusal(403) when the request's key does not reach provider `slug`."""
-        key = self.key(ex)
-        refused = auth.authorize(key, slug) if key is not None else None
+    def in_scope(self, key: ApiKey, slug: str) -> None:
+        """Raises Refusal(403) when `key` does not reach provider `slug`."""
+        refused = auth.authorize(key, slug)
         if refused is not None:
             raise Refusal(refused.status, refused.message, refused.code)
 

@@ -759,3 +759,28 @@ def test_with_keys_on_the_router_finds_each_requests_key_once(
     assert (status, json.loads(body)["provider"]) == (200, "beta")
     assert looked_up == ["pd-wrong"] + [ALPHA_KEY] * 4 + [FULL_KEY] * 2  # once per request
     assert len(alpha.requests) == 1 and len(beta.requests) == 1
+
+
+def test_a_new_table_routes_the_next_request_by_its_own_names(
+    two: RunningRouter, alpha: FakeProvider, beta: FakeProvider
+) -> None:
+    """What SIGHUP does (`router.table = discover_table()`): a name routed before goes
+    where the new table says, and a name the new table drops is 404."""
+    c = Client(two.port)
+    for model in ("a-1", "b-1"):
+        c.send(post(model))
+        assert c.response()[0] == 200
+    router = two.router
+    assert router is not None
+
+    async def reload() -> None:
+        router.table = Table([alpha.provider(names=("b-1",)), beta.provider(names=("b-2",))])
+
+    asyncio.run_coroutine_threadsafe(reload(), two.loop).result(5)
+    c.send(post("b-1"))
+    status, _, body = c.response()
+    assert (status, json.loads(body)["provider"]) == (200, "alpha")
+    c.send(post("a-1"))
+    status, _, body = c.response()
+    assert (status, error(body)["code"]) == (404, "model_not_found")
+    assert [len(alpha.requests), len(beta.requests)] == [2, 1]
