@@ -125,6 +125,7 @@ class Router:
             listeners, self.site, self.site.style(), log, FIRST_REQUEST_GRACE_S, self._busy
         )
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_since = 0.0  # loop time when busy last came down to 0
         self._quiet: asyncio.Event | None = None  # set when no request is in flight (stop)
         self._dns: asyncio.Task[None] | None = None
         self.counters = counters.load_router(log)  # where the last router left off
@@ -153,7 +154,9 @@ class Router:
     def start_accepting(self) -> None:
         """Accept from now on (and exit once idle, under systemd)."""
         self.listening.start()
-        self._arm_idle()
+        self._idle_since = asyncio.get_running_loop().time()
+        if self._idle_timer is None and self.busy == 0:
+            self._arm_idle()
         if self._dns is None:  # the host's DNS name, for the Host check: looked up aside
             self._dns = asyncio.get_running_loop().create_task(self.origin.learn_dns_name())
 
@@ -176,26 +179,29 @@ class Router:
         self._busy(-1)
 
     def _busy(self, delta: int) -> None:
+        """The idle timer moves lazily: when busy comes back to 0 it notes the time, and
+        a timer armed earlier re-arms itself for the rest when it fires (no timer made or
+        cancelled per request)."""
         self.busy += delta
         if self.busy == 0:
-            self._arm_idle()
-        elif self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+            self._idle_since = asyncio.get_running_loop().time()
+            if self._idle_timer is None:
+                self._arm_idle()
 
     def _arm_idle(self) -> None:
         if not self.exit_on_idle or not self.listening.accepting:
             return
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-        self._idle_timer = asyncio.get_running_loop().call_later(
-            self.config.idle_timeout_s, self._idle
-        )
+        loop = asyncio.get_running_loop()
+        self._idle_timer = loop.call_at(self._idle_since + self.config.idle_timeout_s, self._idle)
 
     def _idle(self) -> None:
         self._idle_timer = None
-        if self.busy == 0:
-            self.release(f"Idle for {self.config.idle_timeout_s:g} s, exiting")
+        if self.busy:
+            return  # armed again when nothing is in flight
+        if asyncio.get_running_loop().time() < self._idle_since + self.config.idle_timeout_s:
+            self._arm_idle()
+            return
+        self.release(f"Idle for {self.config.idle_timeout_s:g} s, exiting")
 
     # -- the end
 

@@ -547,6 +547,24 @@ def test_it_exits_when_idle_but_not_while_a_request_is_in_flight(
     p.close()
 
 
+def test_the_idle_time_counts_from_the_last_request(
+    start: Callable[..., RunningRouter], alpha: FakeProvider
+) -> None:
+    """The idle timer is armed once and moved lazily: a request in its last part puts the
+    exit off by a whole `idle_timeout_s` from that request's end."""
+    r = start(alpha.provider(names=("a-1",)), idle=1.0, exit_on_idle=True)
+    c = Client(r.port)
+    c.send(post("a-1"))
+    assert c.response()[0] == 200
+    time.sleep(0.6)
+    c.send(post("a-1"))
+    assert c.response()[0] == 200
+    time.sleep(0.6)  # 1.2 s after the first request, 0.6 s after the second
+    assert r.thread.is_alive(), "the router exited idle_timeout_s after an earlier request"
+    r.thread.join(5)
+    assert not r.thread.is_alive(), "the router did not exit once idle"
+
+
 # -- what a web page could send ------------------------------------------------------------
 
 
