@@ -126,6 +126,8 @@ class Router:
         )
         self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_since = 0.0  # loop time when busy last came down to 0
+        # Asked for once: asyncio.get_running_loop() costs a getpid() system call each time.
+        self.loop = asyncio.get_running_loop()
         self._quiet: asyncio.Event | None = None  # set when no request is in flight (stop)
         self._dns: asyncio.Task[None] | None = None
         self.counters = counters.load_router(log)  # where the last router left off
@@ -135,9 +137,7 @@ class Router:
         """One answered request (`providerd_router_requests_total`), saved within 5 s."""
         self.counters.count(provider, model, status)
         if self._flush_timer is None:
-            self._flush_timer = asyncio.get_running_loop().call_later(
-                counters.ROUTER_FLUSH_S, self.flush
-            )
+            self._flush_timer = self.loop.call_later(counters.ROUTER_FLUSH_S, self.flush)
 
     def flush(self) -> None:
         if self._flush_timer is not None:
@@ -154,7 +154,7 @@ class Router:
     def start_accepting(self) -> None:
         """Accept from now on (and exit once idle, under systemd)."""
         self.listening.start()
-        self._idle_since = asyncio.get_running_loop().time()
+        self._idle_since = self.loop.time()
         if self._idle_timer is None and self.busy == 0:
             self._arm_idle()
         if self._dns is None:  # the host's DNS name, for the Host check: looked up aside
@@ -184,21 +184,21 @@ class Router:
         cancelled per request)."""
         self.busy += delta
         if self.busy == 0:
-            self._idle_since = asyncio.get_running_loop().time()
+            self._idle_since = self.loop.time()
             if self._idle_timer is None:
                 self._arm_idle()
 
     def _arm_idle(self) -> None:
         if not self.exit_on_idle or not self.listening.accepting:
             return
-        loop = asyncio.get_running_loop()
-        self._idle_timer = loop.call_at(self._idle_since + self.config.idle_timeout_s, self._idle)
+        due = self._idle_since + self.config.idle_timeout_s
+        self._idle_timer = self.loop.call_at(due, self._idle)
 
     def _idle(self) -> None:
         self._idle_timer = None
         if self.busy:
             return  # armed again when nothing is in flight
-        if asyncio.get_running_loop().time() < self._idle_since + self.config.idle_timeout_s:
+        if self.loop.time() < self._idle_since + self.config.idle_timeout_s:
             self._arm_idle()
             return
         self.release(f"Idle for {self.config.idle_timeout_s:g} s, exiting")
