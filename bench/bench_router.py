@@ -2,21 +2,25 @@
 """The router, measured: what it adds over going to a provider's own port, next to what a
 front adds over going to the worker.
 
-One run on this machine, loopback only. Four processes: this one (the client), a small
+One run on this machine, loopback only. Processes: this one (the client), a small
 raw-socket HTTP backend (the "worker"), a front (the front's data path, agent.net, always
-ready) in front of it, and the router (`agent.router.router.Router`)
-whose one provider is that front. Each gets its listening socket as fd 3.
+ready) in front of it, the router (`agent.router.router.Router`, exiting once idle as under
+systemd) whose one provider is that front, and for scale two other second hops in the
+router's place: another such bare front, and systemd-socket-proxyd. Each gets its
+listening socket as fd 3.
 
     direct:  client → worker
     front:   client → front → worker              front adds  = front - direct
     router:  client → router → front → worker     router adds = router - front
+    relay:   client → front → front → worker      relay adds  = relay - front
+    proxyd:  client → proxyd → front → worker     proxyd adds = proxyd - front
 
 Prints, side by side: latency p50/p99 of a small keep-alive POST with a JSON body
-naming the model (rounds interleaved across the three paths), the latency each hop
-adds, their ratio (target: the router adds at most 1.2x what a front adds; systemd-socket-
-proxyd in the router's place, for scale), and
-throughput of a 100 MiB streamed response through each path. Writes the table to
-bench/results/router.txt.
+naming the model (rounds interleaved across the paths), the latency each hop adds, their
+ratio (target: the router adds at most 1.2x what a front adds), what the same core with
+nothing to decide adds as that second hop (the part of the ratio routing does not
+cause), CPU per request of each process, and throughput of a 100 MiB streamed response
+through each path. Writes the table to bench/results/router.txt.
 
     python3 bench/bench_router.py [--quick]
 """
@@ -47,6 +51,7 @@ from common import (
 
 PROXYD = "/lib/systemd/systemd-socket-proxyd"
 BIG = 100 * 1024 * 1024
+WARM = 20  # requests on each new client connection before the measured ones
 CHUNK = 1024 * 1024
 BODY = b'{"model": "bench", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}'
 SMALL = (
@@ -113,8 +118,9 @@ def router_main(front_port: int) -> None:
     )
 
     async def main() -> None:
+        # As under systemd: exits once idle (after the default 600 s, never within a run).
         router = Router(
-            Table([provider]), RouterConfig(), [socket.socket(fileno=3)], exit_on_idle=False
+            Table([provider]), RouterConfig(), [socket.socket(fileno=3)], exit_on_idle=True
         )
         router.start_accepting()
         await router.done.wait()
@@ -141,7 +147,7 @@ def latencies(port: int, n: int) -> list[float]:
     out = []
     with socket.create_connection(("127.0.0.1", port)) as c:
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for _ in range(20):  # warm the connections behind this one
+        for _ in range(WARM):  # warm the connections behind this one
             c.sendall(SMALL)
             read_n(c, len(SMALL_RESPONSE))
         for _ in range(n):
@@ -150,6 +156,17 @@ def latencies(port: int, n: int) -> list[float]:
             read_n(c, len(SMALL_RESPONSE))
             out.append(time.perf_counter() - t)
     return out
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time a process has used so far (ns): /proc/PID/schedstat, else /proc/PID/stat."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) * 10**9 // os.sysconf("SC_CLK_TCK")
 
 
 def throughput(port: int) -> float:
@@ -185,7 +202,7 @@ def main() -> int:
         return 0
 
     rounds, per_round = (3, 300) if args.quick else (9, 1000)
-    names = ("direct", "front", "router", "proxyd")
+    names = ("direct", "front", "router", "relay", "proxyd")
     socks = {name: listener() for name in names}
     ports = {name: s.getsockname()[1] for name, s in socks.items()}
     procs = [
@@ -194,6 +211,7 @@ def main() -> int:
             ("backend", 0, "direct"),
             ("front", ports["direct"], "front"),
             ("router", ports["front"], "router"),
+            ("front", ports["front"], "relay"),  # a bare front where the router is
         )
     ]
     procs.append(
@@ -220,14 +238,23 @@ def main() -> int:
     try:
         for port in ports.values():
             wait_until_listening(port)
+        pids = {"front": procs[1].pid, "router": procs[2].pid, "relay": procs[3].pid}
         for _ in range(rounds):
+            cpu = {name: cpu_ns(pid) for name, pid in pids.items()}
             got = {name: latencies(port, per_round) for name, port in ports.items()}
+            # Every path but direct goes through the front; the router's and the relay's
+            # each through their own process too.
+            sent = per_round + WARM
+            for name, pid in pids.items():
+                carried = sent * (len(names) - 1 if name == "front" else 1)
+                note(f"{name} cpu", (cpu_ns(pid) - cpu[name]) / carried / 1000)
             for p in (50, 99):
                 v = {name: pct(samples, p) * 1e6 for name, samples in got.items()}
                 for name in names:
                     note(f"{name} p{p}", v[name])
                 note(f"front adds p{p}", v["front"] - v["direct"])
                 note(f"router adds p{p}", v["router"] - v["front"])
+                note(f"relay adds p{p}", v["relay"] - v["front"])
                 note(f"proxyd adds p{p}", v["proxyd"] - v["front"])
         for _ in range(3):
             for name, port in ports.items():
@@ -262,17 +289,30 @@ def main() -> int:
         line("direct  (client → worker)", "direct", None),
         line("front   (client → front → worker)", "front", "front adds"),
         line("router  (→ router → front → worker)", "router", "router adds"),
+        line("relay   (→ bare front → front → worker)", "relay", "relay adds"),
         line("proxyd  (→ proxyd → front → worker)", "proxyd", "proxyd adds"),
         "",
         f"router adds / front adds: p50 {r50:.2f}x, p99 {r99:.2f}x (target: at most 1.2x){verdict}",
+        f"relay adds / front adds: p50 {ratio('relay', 50):.2f}x, p99 {ratio('relay', 99):.2f}x "
+        "(the core alone as the second hop: the floor of the ratio above)",
         f"proxyd adds / front adds: p50 {ratio('proxyd', 50):.2f}x, p99 {ratio('proxyd', 99):.2f}x "
         "(a relay that parses nothing, for scale)",
+        f"router adds / relay adds: p50 {med['router adds p50'] / med['relay adds p50']:.2f}x, "
+        f"p99 {med['router adds p99'] / med['relay adds p99']:.2f}x (what routing itself costs)",
+        f"CPU per request: front {med['front cpu']:.1f} µs, relay {med['relay cpu']:.1f} µs, "
+        f"router {med['router cpu']:.1f} µs: router/front {med['router cpu'] / med['front cpu']:.2f}x, "
+        f"router/relay {med['router cpu'] / med['relay cpu']:.2f}x",
         f"streaming through the router: {med['router MiB/s'] / med['front MiB/s']:.2f}x the front's "
-        "throughput",
+        f"throughput (a bare front in its place: {med['relay MiB/s'] / med['front MiB/s']:.2f}x, "
+        f"proxyd: {med['proxyd MiB/s'] / med['front MiB/s']:.2f}x)",
         "",
         "Small request: POST /v1/chat/completions with an 85-byte JSON body naming the model;",
         "the router reads the body, parses the JSON, looks the model up, and forwards head and",
         "body unchanged on a kept connection to the front. Throughput: one 100 MiB response.",
+        "relay: the front's data path with nothing to decide (always ready, no lease, no gate),",
+        "as the bench's front itself, in the router's place: what a second hop costs by itself.",
+        "CPU per request: the process's CPU time over the latency rounds (/proc/PID/schedstat)",
+        "divided by the requests it carried (the front carries every path but direct).",
     ]
     text = "\n".join(lines) + "\n"
     print(text, end="")
