@@ -106,7 +106,7 @@ class _Worker:
     def request_gate(self, req: RequestHead) -> Answer | None:
         """API keys, and the model list while the worker is not ready (agent.front.gate)."""
         answer = self.front.request_gate(req)
-        if answer is not None and (cause := auth.cause_of(answer)):
+        if answer is not None and (cause := self.front.request_gate.cause):
             self.front.counters.count_refused(cause)
         return answer
 

@@ -59,20 +59,30 @@ class Gate:
         # Whether the request just let through may cause a start: read by the lease taken
         # at once after the gate, in the same callback (agent.net.exchange.begin).
         self.may_start = True
+        self.refused: Refusal | None = None  # the key refusal just answered, if any
+
+    @property
+    def cause(self) -> str:
+        """The counters' cause of the key refusal just answered (`unauthorized`,
+        `forbidden`), or "" when the gate answered something else or nothing."""
+        return self.refused.cause if self.refused is not None else ""
 
     def __call__(self, req: RequestHead) -> Answer | None:
         models = models_request(req)
         state = self.state()
         self.may_start = True
+        self.refused = None
         if self.keys is not None and req.path not in self.open_paths:
             key = authenticate(self.keys, req)
             if isinstance(key, Refusal):
+                self.refused = key
                 return key.answer()
             self.may_start = key.can_start
             refused = authorize(key, self.slug)
             if refused is None and models is None and state not in (State.READY, State.STARTING):
                 refused = may_start(key, self.slug)
             if refused is not None:
+                self.refused = refused
                 return refused.answer()
         if models is not None and state is not State.READY:
             return self.models(models)

@@ -41,26 +41,10 @@ class Refusal:
         value = REALM + (', error="invalid_token"' if self.invalid_token else "")
         return (("WWW-Authenticate", value),)
 
-    def body(self) -> dict[str, object]:
-        return {"error": self.code, "message": self.message}
-
     def answer(self) -> Answer:
         """The answer, in the listener's style (flat on a provider's port, OpenAI's on the
         router), with its WWW-Authenticate."""
         return Answer(self.status, self.message, self.code, headers=self.headers())
-
-
-CAUSES = {
-    "missing_api_key": "unauthorized",
-    "invalid_api_key": "unauthorized",
-    "key_out_of_scope": "forbidden",
-    "cold_start_not_allowed": "forbidden",
-}
-
-
-def cause_of(answer: Answer) -> str:
-    """The counters' refusal cause of a key answer (`unauthorized`, `forbidden`), or ""."""
-    return CAUSES.get(answer.code, "") if answer.status in (401, 403) else ""
 
 
 MISSING = Refusal(401, "missing_api_key", f"This endpoint needs an API key: {HOW}")

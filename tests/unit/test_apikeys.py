@@ -179,7 +179,7 @@ def test_a_request_without_a_key_is_401_with_www_authenticate() -> None:
     keys = parse(GOOD, "/k.toml")
     r = auth.authenticate(keys, head())
     assert isinstance(r, auth.Refusal)
-    assert (r.status, r.body()["error"], r.cause) == (401, "missing_api_key", "unauthorized")
+    assert (r.status, r.code, r.cause) == (401, "missing_api_key", "unauthorized")
     assert r.headers() == (("WWW-Authenticate", 'Bearer realm="providerd"'),)
 
 
@@ -194,7 +194,7 @@ def test_a_request_without_a_key_is_401_with_www_authenticate() -> None:
 def test_a_wrong_or_ambiguous_key_is_401_invalid_token(fields: tuple[str, ...]) -> None:
     r = auth.authenticate(parse(GOOD, "/k.toml"), head(*fields))
     assert isinstance(r, auth.Refusal) and r.status == 401
-    assert r.body()["error"] == "invalid_api_key"
+    assert r.code == "invalid_api_key"
     assert r.headers() == (("WWW-Authenticate", 'Bearer realm="providerd", error="invalid_token"'),)
     assert ALICE not in r.message and BOB not in r.message
 
@@ -220,16 +220,17 @@ def test_scope_and_can_start_are_403() -> None:
     assert bob is not None
     assert auth.authorize(bob, "esm") is None
     out = auth.authorize(bob, "whisper")
-    assert out is not None and (out.status, out.body()["error"], out.cause) == (
+    assert out is not None and (out.status, out.code, out.cause) == (
         403,
         "key_out_of_scope",
         "forbidden",
     )
     assert out.headers() == ()
     start = auth.may_start(bob, "esm")
-    assert start is not None and (start.status, start.body()["error"]) == (
+    assert start is not None and (start.status, start.code, start.cause) == (
         403,
         "cold_start_not_allowed",
+        "forbidden",
     )
     alice = keys.find(ALICE)
     assert alice is not None and auth.may_start(alice, "esm") is None

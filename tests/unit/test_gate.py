@@ -9,7 +9,6 @@ import pytest
 
 from agent.front.gate import Gate
 from agent.front.state import State
-from agent.net.auth import cause_of
 from agent.net.http import RequestHead, parse_request_head
 from agent.spec.apikeys import parse
 from tests.unit.test_apikeys import ALICE, BOB, GOOD
@@ -34,7 +33,7 @@ def test_the_model_list_comes_from_the_manifest_until_the_worker_is_ready(state:
     for path in ("/v1/models", "/models", "/v1/models?limit=3"):
         a = g(head("GET", path))
         assert a is not None and a.status == 200 and a.doc is not None
-        assert cause_of(a) == ""  # no refusal
+        assert g.cause == ""  # no refusal
         assert [m["id"] for m in a.doc["data"]] == ["esm-2", "esm-3"]  # type: ignore[attr-defined]
         assert json.dumps(a.doc)  # the router's shape, as JSON
     one = g(head("GET", "/v1/models/esm-x"))  # a pattern answers for a name asked by itself
@@ -53,7 +52,7 @@ def test_a_ready_worker_answers_the_model_list_itself() -> None:
 def test_keys_are_checked_before_anything_else() -> None:
     g = gate(State.IDLE)
     a = g(head("GET", "/v1/models"))
-    assert a is not None and (a.status, a.code, cause_of(a)) == (
+    assert a is not None and (a.status, a.code, g.cause) == (
         401,
         "missing_api_key",
         "unauthorized",
@@ -77,11 +76,16 @@ def test_keys_are_checked_before_anything_else() -> None:
 def test_a_key_without_can_start_is_served_only_while_the_model_runs_or_starts(
     state: State, refused: bool
 ) -> None:
-    a = gate(state)(head("POST", "/v1/embeddings", f"x-api-key: {BOB}"))
+    g = gate(state)
+    a = g(head("POST", "/v1/embeddings", f"x-api-key: {BOB}"))
     if refused:
-        assert a is not None and (a.status, a.code) == (403, "cold_start_not_allowed")
+        assert a is not None and (a.status, a.code, g.cause) == (
+            403,
+            "cold_start_not_allowed",
+            "forbidden",
+        )
     else:
-        assert a is None
+        assert a is None and g.cause == ""
     # Listing models never starts anything: allowed in every state.
     listing = gate(state)(head("GET", "/v1/models", f"x-api-key: {BOB}"))
     assert listing is None if state is State.READY else listing is not None
@@ -90,8 +94,16 @@ def test_a_key_without_can_start_is_served_only_while_the_model_runs_or_starts(
 def test_a_key_out_of_scope_is_403_whatever_the_state() -> None:
     p = provider(slug="whisper")
     for state in State:
-        a = Gate(p, KEYS, lambda s=state: s)(head("GET", "/v1/models", f"x-api-key: {BOB}"))
-        assert a is not None and (a.status, a.code) == (403, "key_out_of_scope")
+        g = Gate(p, KEYS, lambda s=state: s)
+        a = g(head("GET", "/v1/models", f"x-api-key: {BOB}"))
+        assert a is not None and (a.status, a.code, g.cause) == (
+            403,
+            "key_out_of_scope",
+            "forbidden",
+        )
+        assert g(head("GET", "/v1/models")) is not None and g.cause == "unauthorized"
+        g(head("GET", "/v1/models", f"x-api-key: {ALICE}"))  # the list, here or the worker's
+        assert g.cause == ""  # a refusal before does not linger
 
 
 def test_idle_ignore_paths_are_open_only_when_the_manifest_says_so() -> None:
