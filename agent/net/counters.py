@@ -25,7 +25,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self, TypeVar
 
 from agent.net.counterfile import CounterFile
 from agent.net.counterfile import read as read_live
@@ -53,8 +53,41 @@ def live_file(slug: str) -> Path:
     return paths.runtime_dir() / f"{slug}.counters"
 
 
+class _Kept:
+    """What a set of counters needs to be kept: its live file's names and values (which
+    load, merge and save go through alike) and its saved JSON."""
+
+    dirty: bool
+    live: CounterFile | None
+
+    def to_live(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_live(cls, values: dict[str, int]) -> Self:
+        raise NotImplementedError
+
+    def to_json(self) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def from_saved(cls, data: object) -> Self | None:
+        """From a saved JSON document; None when it is not one of these."""
+        raise NotImplementedError
+
+    def merged(self, other: Self) -> Self:
+        """The larger of the two, value by value (two snapshots of counters that only grow)."""
+        mine, theirs = self.to_live(), other.to_live()
+        return self.from_live(
+            {k: max(mine.get(k, 0), theirs.get(k, 0)) for k in mine.keys() | theirs.keys()}
+        )
+
+
+K = TypeVar("K", bound=_Kept)
+
+
 @dataclass
-class Counters:
+class Counters(_Kept):
     served: int = 0  # requests answered by the worker (leases ended)
     refused: dict[str, int] = field(default_factory=dict)  # cause -> requests refused
     cold_starts: int = 0  # worker starts that became ready
@@ -130,13 +163,6 @@ class Counters:
             start_seconds_sum=values.get("start_us", 0) / 1e6,
         )
 
-    def merged(self, other: Counters) -> Counters:
-        """The larger of the two, value by value (two snapshots of counters that only grow)."""
-        mine, theirs = self.to_live(), other.to_live()
-        return Counters.from_live(
-            {k: max(mine.get(k, 0), theirs.get(k, 0)) for k in mine.keys() | theirs.keys()}
-        )
-
     def to_json(self) -> dict[str, Any]:
         return {
             "served": self.served,
@@ -153,6 +179,10 @@ class Counters:
                 "sum": round(self.start_seconds_sum, 6),
             },
         }
+
+    @classmethod
+    def from_saved(cls, data: object) -> Counters | None:
+        return cls.from_json(data) if isinstance(data, dict) else None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Counters:
@@ -185,51 +215,64 @@ class Counters:
         )
 
 
-def _saved(slug: str) -> Counters | None:
+def _found(kind: type[K], file: Path, live_path: Path) -> K | None:
+    """What the last writer left: the saved JSON in `file` and the live file at
+    `live_path`, the larger of each value; None when neither holds any."""
     try:
-        data = json.loads(counters_file(slug).read_text())
+        data = json.loads(file.read_text())
     except (OSError, ValueError):
         data = None
-    saved = Counters.from_json(data) if isinstance(data, dict) else None
-    values = read_live(live_file(slug))
+    saved = kind.from_saved(data)
+    values = read_live(live_path)
     if values is None:
         return saved
-    live = Counters.from_live(values)
+    live = kind.from_live(values)
     return live if saved is None else live.merged(saved)
+
+
+def _load(kind: type[K], file: Path, live_path: Path, log: logging.Logger | None) -> K:
+    """Where the last writer left off (zeros the first time). With `log` (the writer
+    itself), counting goes on in a fresh live file; failing that, only in memory."""
+    found = _found(kind, file, live_path) or kind()
+    if log is not None:
+        try:
+            found.live = CounterFile(live_path, found.to_live())
+        except OSError as e:
+            log.warning(
+                "Failed to create %s: %s; counters survive only a clean exit",
+                live_path,
+                e.strerror or e,
+            )
+    return found
+
+
+def _save(counters: _Kept, file: Path, log: logging.Logger) -> None:
+    """Persist if anything changed; a failure is logged, never raised into the writer."""
+    if not counters.dirty:
+        return
+    try:
+        write_atomic(file, json.dumps(counters.to_json()) + "\n")
+        counters.dirty = False
+    except OSError as e:
+        log.warning("Failed to save the counters to %s: %s, ignoring", file, e)
 
 
 def read(slug: str) -> dict[str, Any] | None:
     """The counters the last front of `slug` left (its live file and its saved JSON,
     the larger of each), or None when this provider never ran."""
-    found = _saved(slug)
+    found = _found(Counters, counters_file(slug), live_file(slug))
     return found.to_json() if found is not None else None
 
 
 def load(slug: str, log: logging.Logger | None = None) -> Counters:
     """Where the last front of `slug` left off (zeros the first time). With `log` (a
     front), counting goes on in a fresh live file; failing that, only in memory."""
-    found = _saved(slug) or Counters()
-    if log is not None:
-        try:
-            found.live = CounterFile(live_file(slug), found.to_live())
-        except OSError as e:
-            log.warning(
-                "Failed to create %s: %s; counters survive only a clean exit",
-                live_file(slug),
-                e.strerror or e,
-            )
-    return found
+    return _load(Counters, counters_file(slug), live_file(slug), log)
 
 
 def save(slug: str, counters: Counters, log: logging.Logger) -> None:
     """Persist if anything changed; a failure is logged, never raised into the front."""
-    if not counters.dirty:
-        return
-    try:
-        write_atomic(counters_file(slug), json.dumps(counters.to_json()) + "\n")
-        counters.dirty = False
-    except OSError as e:
-        log.warning("Failed to save the counters to %s: %s, ignoring", counters_file(slug), e)
+    _save(counters, counters_file(slug), log)
 
 
 # -- the router's ------------------------------------------------------------------------
@@ -252,7 +295,7 @@ def _router_key(provider: str, model: str, status: int) -> str:
 
 
 @dataclass
-class RouterCounters:
+class RouterCounters(_Kept):
     """The router's requests by provider, model and answer status, across its restarts.
 
     Labels stay bounded whatever clients send: `model` is a declared exact name or ""
@@ -284,6 +327,24 @@ class RouterCounters:
             for (p, m, s), n in sorted(self.requests.items())
         ]
 
+    def to_live(self) -> dict[str, int]:
+        return {_router_key(*k): n for k, n in self.requests.items()}
+
+    @classmethod
+    def from_live(cls, values: dict[str, int]) -> RouterCounters:
+        items = []
+        for name, n in values.items():
+            try:
+                p, m, s = json.loads(name)
+            except (ValueError, TypeError):
+                continue
+            items.append({"provider": p, "model": m, "status": s, "requests": n})
+        return cls.from_json(items)
+
+    @classmethod
+    def from_saved(cls, data: object) -> RouterCounters | None:
+        return cls.from_json(data) if isinstance(data, list) else None
+
     @classmethod
     def from_json(cls, data: object) -> RouterCounters:
         out = cls()
@@ -304,46 +365,11 @@ class RouterCounters:
         return out
 
 
-def _router_from_live(values: dict[str, int]) -> RouterCounters:
-    items = []
-    for name, n in values.items():
-        try:
-            p, m, s = json.loads(name)
-        except (ValueError, TypeError):
-            continue
-        items.append({"provider": p, "model": m, "status": s, "requests": n})
-    return RouterCounters.from_json(items)
-
-
 def load_router(log: logging.Logger | None = None) -> RouterCounters:
     """Where the last router left off: its live file and its saved JSON, the larger of
     each. With `log` (the router itself), counting goes on in a fresh live file."""
-    try:
-        out = RouterCounters.from_json(json.loads(router_file().read_text()))
-    except (OSError, ValueError):
-        out = RouterCounters()
-    values = read_live(router_live_file())
-    if values is not None:
-        for k, n in _router_from_live(values).requests.items():
-            out.requests[k] = max(n, out.requests.get(k, 0))
-    if log is not None:
-        live = {_router_key(*k): n for k, n in out.requests.items()}
-        try:
-            out.live = CounterFile(router_live_file(), live)
-        except OSError as e:
-            log.warning(
-                "Failed to create %s: %s; counters survive only a clean exit",
-                router_live_file(),
-                e.strerror or e,
-            )
-    return out
+    return _load(RouterCounters, router_file(), router_live_file(), log)
 
 
 def save_router(c: RouterCounters, log: logging.Logger) -> None:
-    if not c.dirty:
-        return
-    try:
-        write_atomic(router_file(), json.dumps(c.to_json()) + "\n")
-        c.dirty = False
-    except OSError as e:
-        log.warning("Failed to save the router's counters to %s: %s, ignoring", router_file(), e)
+    _save(c, router_file(), log)

@@ -3,6 +3,7 @@ killed outright loses none; and what a reader makes of any file."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -118,3 +119,23 @@ def test_the_router_counters_survive_too() -> None:
     r.count("m", "", 404)
     again = counters.load_router()  # nothing saved: the live file answers
     assert again.requests == {("m", "m-1", 200): 1, ("m", "", 404): 1}
+
+
+def test_a_router_starts_from_the_larger_of_live_and_saved_per_label() -> None:
+    log = logging.getLogger("test")
+    first = counters.load_router(log)
+    first.count("m", "m-1", 200)
+    counters.save_router(first, log)  # saved: one 200
+    first.count("m", "m-1", 200)  # live only: two
+    counters.router_file().write_text(
+        json.dumps(
+            [
+                {"provider": "m", "model": "m-1", "status": 200, "requests": 1},
+                {"provider": "old", "model": "", "status": 503, "requests": 7},  # saved only
+            ]
+        )
+    )
+    second = counters.load_router(log)
+    assert second.requests == {("m", "m-1", 200): 2, ("old", "", 503): 7}
+    second.count("m", "m-1", 200)  # the fresh live file goes on from there
+    assert counters.load_router().requests[("m", "m-1", 200)] == 3
