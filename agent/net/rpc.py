@@ -71,52 +71,71 @@ async def serve(path: Path, handler: Handler) -> asyncio.AbstractServer:
 
 
 def call(path: Path, request: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
-    """One request, blocking; raises RpcError when nobody answers."""
+    """One request, blocking; raises RpcError when nobody answers as they should."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
             s.connect(str(path))
-            s.sendall(json.dumps(request).encode() + b"\n")
-            data = b""
-            while not data.endswith(b"\n"):
+            s.sendall(_line(request))
+            data = bytearray()
+            while not data.endswith(b"\n") and len(data) <= MAX_LINE:
                 chunk = s.recv(65536)
                 if not chunk:
                     break
                 data += chunk
-    except FileNotFoundError:
-        raise NotRunning("not running") from None
-    except ConnectionRefusedError:
-        raise NotRunning("not running (stale control socket)") from None
     except OSError as e:
-        raise RpcError(str(e)) from None
-    if not data:
-        raise RpcError("closed the connection without answering")
-    answer = json.loads(data)
-    if not isinstance(answer, dict):
-        raise RpcError("answered something that is not a JSON object")
-    return answer
+        raise _failed(e) from None
+    return _answer(bytes(data))
 
 
 async def acall(path: Path, request: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
-    """One request from inside an event loop."""
+    """One request from inside an event loop: the same exchange as `call`."""
     try:
         reader, writer = await asyncio.wait_for(
             asyncio.open_unix_connection(str(path), limit=MAX_LINE), timeout
         )
-    except (FileNotFoundError, ConnectionRefusedError):
-        raise NotRunning("not running") from None
-    except (OSError, TimeoutError) as e:
-        raise RpcError(str(e) or "timed out") from None
+    except OSError as e:  # TimeoutError too
+        raise _failed(e) from None
     try:
-        writer.write(json.dumps(request).encode() + b"\n")
+        writer.write(_line(request))
         line = await asyncio.wait_for(reader.readline(), timeout)
-    except (OSError, TimeoutError) as e:
-        raise RpcError(str(e) or "timed out") from None
+    except OSError as e:
+        raise _failed(e) from None
+    except ValueError:  # longer than the reader's limit
+        raise RpcError(TOO_LONG) from None
     finally:
         writer.close()
+    return _answer(line)
+
+
+# -- what both ways share: the framing, the encoding and what their failures mean
+
+TOO_LONG = f"answered a line longer than {MAX_LINE} bytes"
+
+
+def _line(request: dict[str, Any]) -> bytes:
+    return json.dumps(request).encode() + b"\n"
+
+
+def _answer(line: bytes) -> dict[str, Any]:
+    """The answer in `line` (what came before the end of the line or of the connection)."""
     if not line:
         raise RpcError("closed the connection without answering")
-    answer = json.loads(line)
+    if len(line) > MAX_LINE:
+        raise RpcError(TOO_LONG)
+    try:
+        answer = json.loads(line)
+    except ValueError:
+        raise RpcError("answered something that is not JSON") from None
     if not isinstance(answer, dict):
         raise RpcError("answered something that is not a JSON object")
     return answer
+
+
+def _failed(e: OSError) -> RpcError:
+    """What a failure to connect, send or receive means."""
+    if isinstance(e, FileNotFoundError):
+        return NotRunning("not running")
+    if isinstance(e, ConnectionRefusedError):
+        return NotRunning("not running (stale control socket)")
+    return RpcError(str(e) or "timed out")
