@@ -168,7 +168,7 @@ class Router:
     def begin(self, conn: ClientConn) -> None:
         """A request head arrived on `conn`."""
         self.in_flight += 1
-        self._busy(+1)
+        self.busy += 1  # _busy(+1): nothing to do on the way up
         self.listening.first_request(conn)  # its grace, if fresh, becomes this request
 
     def end(self, conn: ClientConn) -> None:

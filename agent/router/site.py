@@ -97,6 +97,7 @@ class RouterSite:
     def __init__(self, router: Routing, note: Callable[[int, str, str], None]) -> None:
         self.router = router
         self.note_refusal = note
+        self.check_origin = router.origin.check  # 403, 415
         self.request_gate: Gate | None = None  # a further check, after the API key's
         self.pools: dict[str, Upstream] = {}  # kept connections, per provider
         self.routes: dict[str, _Route] = {}  # model name -> where it goes, for `routes_of`
@@ -134,11 +135,11 @@ class RouterSite:
                 "not_implemented",
                 close=True,
             )
-        refused = self.router.origin.check(req)
+        refused = self.check_origin(req)
         if refused is not None:
             status, message, code = refused
             return Answer(status, message, code, close=True)
-        if req.body == "length" and req.length > self.max_body:
+        if req.body == "length" and req.length > self.router.config.max_body:
             return self.too_large()
         self.passed = None
         keys = self.router.keys
@@ -255,7 +256,8 @@ class RouterSite:
             pool.clear()
 
     def kept(self, ex: Exchange, target: Target) -> UpstreamConn | None:
-        up = self.pool(ex.label[0]).take_idle(0)
+        pool = self.pools.get(ex.label[0])
+        up = pool.take_idle(0) if pool is not None else None
         return up if isinstance(up, UpstreamConn) else None
 
     async def connect(self, ex: Exchange, target: Target) -> UpstreamConn:
