@@ -232,8 +232,13 @@ class RouterSite:
 
     def key(self, ex: Exchange) -> ApiKey | None:
         """The API key the gate let the request through with, or None with keys off."""
+        if self.router.keys is None:
+            return None
         lease = ex.lease
-        return lease.key if isinstance(lease, _Lease) else None
+        key = lease.key if isinstance(lease, _Lease) else None
+        if key is None:  # never: the gate let it through with its key; fail closed all the same
+            raise Refusal(401, auth.MISSING.message, auth.MISSING.code)
+        return key
 
     def in_scope(self, key: ApiKey, slug: str) -> None:
         """Raises Refusal(403) when `key` does not reach provider `slug`."""
