@@ -159,15 +159,25 @@ def dechunk(buf: bytes | bytearray, start: int, end: int) -> bytes:
     return bytes(out)
 
 
-_DECODER = json.JSONDecoder()
+# What json.loads runs (the C scanner), without the Python around it.
+_SCAN: Callable[[str, int], tuple[object, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 def _decode(body: bytes | bytearray) -> object:
-    """json.loads(body), without its look for a UTF-16 or UTF-32 body in the usual case: a
-    body that begins `{` and a byte other than NUL is UTF-8 to json.loads as well."""
-    if body[:1] == b"{" and body[1:2] != b"\x00":
-        return _DECODER.decode(body.decode("utf-8", "surrogatepass"))
-    return json.loads(body)
+    """json.loads(body), the usual case the short way: a body that begins `{` and a byte
+    other than NUL is UTF-8 to json.loads as well (no look for UTF-16 or UTF-32), has no
+    whitespace before its value, and is scanned by the same C scanner; what may follow the
+    value is JSON whitespace alone, as json.loads requires."""
+    if body[:1] != b"{" or body[1:2] == b"\x00":
+        return json.loads(body)
+    text = body.decode("utf-8", "surrogatepass")
+    try:
+        doc, end = _SCAN(text, 0)
+    except StopIteration:  # no value at 0: not after a "{", but as json.loads would say
+        raise json.JSONDecodeError("Expecting value", text, 0) from None
+    if end != len(text) and text[end:].strip(" \t\n\r"):
+        raise json.JSONDecodeError("Extra data", text, end)
+    return doc
 
 
 def model_of(body: bytes | bytearray) -> str:
