@@ -209,6 +209,7 @@ JSONISH = st.text(alphabet='{}[]":, \t\r\n\x00\\umodelx1.-eü\ud800', max_size=4
 @example(b'{"model": "x"}{}')
 @example(b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
 @example(b"{")
+@example(b"{\xff}")
 @example(b'{"model": "\\ud800"}')
 def test_the_body_is_read_as_json_loads_reads_it(body: bytes) -> None:
     """The quick way to the JSON document (UTF-8 when the body begins `{`) gives what
