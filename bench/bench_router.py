@@ -33,6 +33,7 @@ import platform
 import selectors
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -185,6 +186,117 @@ def throughput(port: int) -> float:
         return BIG / (1 << 20) / (time.perf_counter() - t)
 
 
+# -- in one process, without I/O --------------------------------------------------------------
+
+
+def in_process(n: int, rounds: int) -> dict[str, float]:
+    """CPU µs per request of the router's site and of a bare front's site on the same core,
+    driven in this process through in-memory transports (no system calls, no other
+    process): the Python each adds, steadier than any socket figure on a shared machine."""
+    import asyncio
+    import tempfile
+
+    sys.path.insert(0, str(ROOT))
+    os.environ["PROVIDERD_STATE_DIR"] = tempfile.mkdtemp()  # the router's counters
+    os.environ["PROVIDERD_RUNTIME_DIR"] = tempfile.mkdtemp()
+    from agent.net.answers import Style
+    from agent.net.client import ClientConn
+    from agent.net.site import FrontSite
+    from agent.net.upconn import UpstreamConn
+    from agent.net.upstream import Upstream
+    from agent.router.router import Router, Table
+    from agent.spec.provider import Address, Provider
+    from agent.spec.settings import RouterConfig
+
+    class Transport:
+        def write(self, data: object) -> None:
+            pass
+
+        def pause_reading(self) -> None:
+            pass
+
+        def resume_reading(self) -> None:
+            pass
+
+        def set_write_buffer_limits(self, high: int | None = None) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    def feed(protocol: asyncio.BufferedProtocol, data: bytes) -> None:
+        buf = protocol.get_buffer(len(data))
+        buf[: len(data)] = data
+        protocol.buffer_updated(len(data))
+
+    class NoLease:
+        def release(self) -> None:
+            pass
+
+    class AlwaysReady:  # as common.always_ready_front's
+        slug = "bench"
+        request_timeout_s = 300.0
+        address = Address("127.0.0.1", 1)
+        no_lease = NoLease()
+        upstream = Upstream(limit=4096, max_waiting=100_000)
+
+        def lease(self, path: str | None) -> NoLease:
+            return self.no_lease
+
+        def alive(self, generation: int) -> bool:
+            return True
+
+        def waiting_for_start(self) -> int:
+            return 0
+
+        def ready_now(self) -> tuple[Address, int]:
+            return self.address, 1
+
+    async def per_request(name: str) -> float:
+        up = UpstreamConn(0, "upstream")
+        up.connection_made(Transport())  # type: ignore[arg-type]
+        up.clean = True
+        site: object
+        if name == "router":
+            provider = Provider(
+                slug="bench",
+                source=Path("/bench.toml"),
+                addresses=(Address("127.0.0.1", 1),),
+                model_names=("bench",),
+            )
+            router = Router(Table([provider]), RouterConfig(), [], exit_on_idle=True)
+            router.listening.accepting = True  # as once started: the idle timer runs
+            site = router.site
+            router.site.pool("bench").keep(up, 0)
+        else:
+            backend = AlwaysReady()
+            up.generation = 1
+            backend.upstream.keep(up, 1)
+            site = FrontSite(backend)  # type: ignore[arg-type]
+        conn = ClientConn(site, Style("bench"))  # type: ignore[arg-type]
+        conn.connection_made(Transport())  # type: ignore[arg-type]
+
+        def one() -> None:
+            feed(conn, SMALL)
+            if conn.ex is None or getattr(conn.ex, "up", None) is not up:
+                raise AssertionError(f"{name}: the request did not reach the kept connection")
+            feed(up, SMALL_RESPONSE)
+            if conn.ex is not None:
+                raise AssertionError(f"{name}: the response did not end the request")
+
+        for _ in range(1000):
+            one()
+        best = float("inf")
+        for _ in range(rounds):
+            t = time.process_time_ns()
+            for _ in range(n):
+                one()
+            best = min(best, (time.process_time_ns() - t) / n / 1000)
+        return best
+
+    return {name: asyncio.run(per_request(name)) for name in ("front", "router")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -199,6 +311,10 @@ def main() -> int:
         return 0
     if args.role == "router":
         router_main(args.arg)
+        return 0
+    if args.role == "in-process":
+        got = in_process(20_000, 9)
+        print(f"{got['front']} {got['router']}")
         return 0
 
     rounds, per_round = (3, 300) if args.quick else (9, 1000)
@@ -263,6 +379,14 @@ def main() -> int:
         for proc in procs:
             proc.kill()
             proc.wait()
+    # Apart, so that its environment and its CPU touch none of the above.
+    alone = subprocess.run(
+        [sys.executable, __file__, "--role", "in-process"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    front_alone, router_alone = float(alone[0]), float(alone[1])
 
     med = {k: statistics.median(v) for k, v in rows.items()}
 
@@ -302,6 +426,8 @@ def main() -> int:
         f"CPU per request: front {med['front cpu']:.1f} µs, relay {med['relay cpu']:.1f} µs, "
         f"router {med['router cpu']:.1f} µs: router/front {med['router cpu'] / med['front cpu']:.2f}x, "
         f"router/relay {med['router cpu'] / med['relay cpu']:.2f}x",
+        f"in one process, no I/O: front {front_alone:.1f} µs, router {router_alone:.1f} µs of CPU per "
+        f"request: router/front {router_alone / front_alone:.2f}x",
         f"streaming through the router: {med['router MiB/s'] / med['front MiB/s']:.2f}x the front's "
         f"throughput (a bare front in its place: {med['relay MiB/s'] / med['front MiB/s']:.2f}x, "
         f"proxyd: {med['proxyd MiB/s'] / med['front MiB/s']:.2f}x)",
@@ -313,6 +439,8 @@ def main() -> int:
         "as the bench's front itself, in the router's place: what a second hop costs by itself.",
         "CPU per request: the process's CPU time over the latency rounds (/proc/PID/schedstat)",
         "divided by the requests it carried (the front carries every path but direct).",
+        "In one process: the same request and response through the router's site and a bare",
+        "front's site on in-memory transports (best of 9 x 20,000), the Python alone.",
     ]
     text = "\n".join(lines) + "\n"
     print(text, end="")
