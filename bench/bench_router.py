@@ -435,6 +435,8 @@ def main() -> int:
         "Small request: POST /v1/chat/completions with an 85-byte JSON body naming the model;",
         "the router reads the body, parses the JSON, looks the model up, and forwards head and",
         "body unchanged on a kept connection to the front. Throughput: one 100 MiB response.",
+        "The router logs nothing per request here; under systemd it writes one debug line per",
+        "routed request to the journal (docs/router.md), a cost this bench leaves out.",
         "relay: the front's data path with nothing to decide (always ready, no lease, no gate),",
         "as the bench's front itself, in the router's place: what a second hop costs by itself.",
         "CPU per request: the process's CPU time over the latency rounds (/proc/PID/schedstat)",
