@@ -216,8 +216,9 @@ KEYS: tuple[Key, ...] = (
         '"tcp"',
         'When the model answers: "tcp" (the port accepts), "http:/path" (GET answers 2xx), or '
         '"notify" (the model sends READY=1 itself).',
-        "ExecStart= (worker), as --ready",
-        becomes=(("worker", "ExecStart"),),
+        'Type= (worker): exec, or notify for "notify" (a `launch` or `credentials` '
+        "worker runs the wrapper, which takes it as --ready)",
+        becomes=(("worker", "Type"),),
     ),
     Key(
         "runtime",

@@ -105,16 +105,25 @@ def escape_specifiers(text: str) -> str:
     return text.replace("%", "%%")
 
 
-def exec_word(word: str) -> str:
-    """One argv item for ExecStart=: `%`→`%%`, `$`→`$$`, C-style quoting where needed."""
-    word = escape_specifiers(word).replace("$", "$$")
+# Stands for a variable in a word given to exec_word(): no manifest value holds a NUL.
+VARIABLE = "\0"
+
+
+def exec_word(word: str, variable: str = "") -> str:
+    """One argv item for ExecStart=: `%`→`%%`, `$`→`$$`, C-style quoting where needed.
+    Each VARIABLE in `word` becomes `${variable}`, which systemd replaces with the
+    variable's value as it is (one argument, whatever it holds)."""
+    pieces = [escape_specifiers(p).replace("$", "$$") for p in word.split(VARIABLE)]
+    if len(pieces) > 1 and not variable.isidentifier():
+        raise ValueError(f"not a variable name: {variable!r}")
+    word = f"${{{variable}}}".join(pieces)
     if _SAFE_WORD.fullmatch(word):
         return word
     return '"' + _c_escape(word) + '"'
 
 
-def exec_line(argv: list[str]) -> str:
-    return " ".join(exec_word(w) for w in argv)
+def exec_line(argv: list[str], variable: str = "") -> str:
+    return " ".join(exec_word(w, variable) for w in argv)
 
 
 def environment_assignment(name: str, value: str) -> str:

@@ -17,6 +17,7 @@ import json
 from collections.abc import Callable
 
 from agent.spec.keys import becomes
+from agent.spec.placeholders import fill_placeholders
 from agent.spec.provider import Provider
 from agent.spec.sizes import format_size
 from agent.systemd import router_units
@@ -32,6 +33,7 @@ from agent.systemd.names import (
     worker_unit,
 )
 from agent.systemd.quoting import (
+    VARIABLE,
     Assignment,
     Link,
     Unrenderable,
@@ -74,7 +76,7 @@ WORKER_ENV_FILE = "/run/providerd/%i/worker.env"  # written by the front before 
 FRONT_STOP_MARGIN_S = 30  # the front's TimeoutStopSec= is stop_timeout_s plus this
 # Hidden from every worker by TemporaryFileSystem= in units/provider-worker@.service (other
 # providers' manifests); a working directory below them is bound back in read-only.
-HIDDEN_FROM_WORKER = ("/etc/providerd", "/usr/lib/providerd")
+HIDDEN_FROM_WORKER = ("/etc/providerd", "/usr/lib/providerd", "/run")
 
 # The directive each manifest key becomes, as the key table says (tests/unit/test_keys_render.py
 # renders every key and checks it lands there).
@@ -120,6 +122,38 @@ def worker_argv(provider: Provider, python: str = PYTHON) -> list[str]:
     if provider.launch:
         return [*argv, "--launch", provider.launch]
     return [*argv, "--", *provider.command]
+
+
+def runs_model_directly(provider: Provider) -> bool:
+    """Whether the worker unit's main process is the model itself: a plain command, with no
+    credential to turn into a variable (what only the wrapper does). The front probes the
+    model (`tcp`, `http:`) or the model says READY=1 (`notify`); a wrapper would only cost
+    an interpreter's start on the way to every cold start."""
+    return not provider.launch and not provider.credentials
+
+
+def model_command(provider: Provider, python: str = PYTHON) -> str:
+    """The model's command for ExecStart=, its placeholders filled when the generator runs:
+    the host and the port are known then, but for a port the front picks at each start,
+    left to systemd as ${PROVIDERD_WORKER_PORT} (from worker.env)."""
+    port = provider.known_worker_port
+    host = worker_loopback(provider.slug) if provider.network == "host" else "127.0.0.1"
+    values = {
+        "port": str(port) if port else VARIABLE,
+        "host": host,
+        "slug": provider.slug,
+        "python": python,
+    }
+    argv = [fill_placeholders(arg, values) for arg in provider.command]
+    return exec_line(argv, "PROVIDERD_WORKER_PORT")
+
+
+def worker_type(provider: Provider) -> str:
+    """The worker's Type=: started once its READY=1 arrives (the wrapper's, or a `notify`
+    model's own), else once the model's program runs (the front sees it answer)."""
+    if not runs_model_directly(provider) or provider.ready.kind == "notify":
+        return "notify"
+    return "exec"
 
 
 # -- drop-ins ------------------------------------------------------------------------------
@@ -180,7 +214,12 @@ def worker_assignments(provider: Provider, python: str = PYTHON) -> list[Assignm
             ("Unit", "ConditionPathExists", f"|!{KEYS_FILE}"),
             ("Unit", "ConditionPathExists", f"|{WORKER_ENV_FILE}"),
         ]
-    lines = [(EXEC_START, ""), (EXEC_START, exec_line(worker_argv(provider, python)))]
+    if runs_model_directly(provider):
+        command = model_command(provider, python)
+    else:
+        command = exec_line(worker_argv(provider, python))
+    lines = [] if worker_type(provider) == "notify" else [("Type", worker_type(provider))]
+    lines += [(EXEC_START, ""), (EXEC_START, command)]
     if provider.known_worker_port:
         port = str(provider.known_worker_port)
         lines.append(("Environment", environment_assignment("PROVIDERD_WORKER_PORT", port)))

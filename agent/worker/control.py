@@ -107,11 +107,15 @@ class SystemdWorker:
         self._watching = False
         self._running = False  # we started it and did not ask it to stop
         self._exit_task: asyncio.Task[None] | None = None
+        self._exited: asyncio.Future[None] | None = None  # set while a start waits
 
     def on_exit(self, callback: ExitCallback) -> None:
         self._on_exit = callback
 
     def _state_changed(self, active: str, _sub: str) -> None:
+        ended = active in ("failed", "inactive", "deactivating")
+        if ended and self._exited is not None and not self._exited.done():
+            self._exited.set_result(None)  # it ended while the front waits for it to answer
         if self._running and active in ("failed", "inactive", "deactivating"):
             self._running = False
             self._exit_task = asyncio.get_running_loop().create_task(self._report_exit())
@@ -166,6 +170,8 @@ class SystemdWorker:
         answered: asyncio.Future[None] | None,
         watching: asyncio.Future[None] | None,
     ) -> None:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
         try:
             waited: set[asyncio.Future[Any]] = {job} if answered is None else {job, answered}
             done, _ = await asyncio.wait(
@@ -174,7 +180,30 @@ class SystemdWorker:
             if answered in done and job not in done and answered.exception() is not None:
                 # The probe broke, it did not see the model: the job alone decides.
                 done, _ = await asyncio.wait({job}, timeout=self.start_timeout_s + 30)
+            elif answered is not None and answered not in done and _ended(job, "done"):
+                # The job ended once the model's program runs (Type=exec), or at the
+                # wrapper's READY=1: the front's own probe says when the model answers,
+                # unless the worker ends first, within the start timeout.
+                if watching is not None:
+                    with contextlib.suppress(Exception):
+                        await watching  # its exit is seen from here on
+                exited = self._exited = loop.create_future()
+                if await self.systemd.get(self.unit, "Unit", "ActiveState") == "active":
+                    left = self.start_timeout_s - (loop.time() - began)
+                    done, _ = await asyncio.wait(
+                        {answered, exited},
+                        timeout=max(0.0, left),
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                    if exited in done:
+                        reason = await self._failure_reason("failed to start")
+                        raise StartFailed(reason, await journal_tail(self.unit))
+                    if answered in done and answered.exception() is None:
+                        done = {answered}
+                    elif answered in done:  # the probe broke: the running unit decides
+                        done = {job}
         finally:
+            self._exited = None
             if answered is not None:
                 answered.cancel()
             if not job.done() and not (answered is not None and answered in done):
@@ -199,7 +228,8 @@ class SystemdWorker:
             # The model answers the front: it is ready, whatever the job still does. A job
             # that ends otherwise than "done" from here on is the worker's exit.
             self._running = True
-            job.add_done_callback(self._job_ended)
+            if not job.done():
+                job.add_done_callback(self._job_ended)
             return
         result = job.result()
         if result == "done":
@@ -272,6 +302,10 @@ class SystemdWorker:
         except Exception:
             return {"current": None, "max": None}
         return {"current": known(current), "max": known(limit)}
+
+
+def _ended(job: asyncio.Future[str], result: str) -> bool:
+    return job.done() and not job.cancelled() and job.exception() is None and job.result() == result
 
 
 async def journal_tail(unit: str, lines: int = 10) -> list[str]:

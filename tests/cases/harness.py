@@ -137,11 +137,17 @@ def unspecify(text: str) -> str:
     return "".join(out)
 
 
-def unexpand(text: str) -> str:
-    """What systemd's $VAR expansion of ExecStart leaves of a word without variables."""
+def unexpand(text: str, environ: dict[str, str] | None = None) -> str:
+    """What systemd's $VAR expansion of ExecStart leaves of a word: `$$` is `$`, and
+    `${NAME}` (of `environ` only) is NAME's value."""
     out, i = [], 0
     while i < len(text):
         if text[i] == "$":
+            if text[i + 1 : i + 2] == "{" and environ is not None:
+                end = text.index("}", i)
+                out.append(environ[text[i + 2 : end]])
+                i = end + 1
+                continue
             if text[i + 1 : i + 2] != "$":
                 raise ValueError(f"unexpected variable reference in {text!r}")
             out.append("$")
@@ -152,9 +158,9 @@ def unexpand(text: str) -> str:
     return "".join(out)
 
 
-def exec_argv(value: str) -> list[str]:
-    """An ExecStart= value → the argv the process gets."""
-    return [unexpand(unspecify(w)) for w in split_words(value)]
+def exec_argv(value: str, environ: dict[str, str] | None = None) -> list[str]:
+    """An ExecStart= value → the argv the process gets (with `environ`: its variables)."""
+    return [unexpand(unspecify(w), environ) for w in split_words(value)]
 
 
 def environment(value: str) -> dict[str, str]:

@@ -95,6 +95,8 @@ def main() -> int:
     )
     ap.add_argument("rest", nargs="*", help="ignored; echoed back in argv")
     args = ap.parse_args()
+    # The tests count model starts by this line (the worker's main process is this program).
+    print(f"probe worker: started (pid {os.getpid()})", file=sys.stderr, flush=True)
 
     if args.exit is not None:
         print(

@@ -13,7 +13,7 @@ from .nspawn import Container
 
 def model_starts(ct: Container, slug: str, since: str) -> int:
     log = ct.journal(f"-u provider-worker@{slug}.service", since=since)
-    return log.count(f"Started the model for {slug} ")
+    return log.count("probe worker: started (pid ")
 
 
 def get(ct: Container, port: int) -> tuple[int, str]:
@@ -39,7 +39,7 @@ def test_the_worker_starts_with_the_front_not_after_it(ct: Container, provider: 
         raise AssertionError(f"no line matching {pattern!r}:\n" + "\n".join(lines))
 
     front_started = first(r"Started provider@beside\.service")
-    model_started = first(r"Started the model for beside ")
+    model_started = first(r"probe worker: started \(pid ")
     # systemd ran the worker's start job with the front's: the model started before the
     # front was even ready, instead of after the front's own start (~100-200 ms).
     assert model_started < front_started, "\n".join(lines)

@@ -58,7 +58,11 @@ def test_the_worker_dropin_lifts_the_front_only_condition_for_them() -> None:
     assert f'Environment="PROVIDERD_WORKER_PORT={PRIVATE_WORKER_PORT}"' in service
     for decided in (provider(network="host"), provider(gpu_devices="auto")):
         assert "ConditionPathExists" not in units.render_worker(decided)
-    assert "PROVIDERD_WORKER_PORT" not in units.render_worker(provider(network="host"))
+    # The front picks the port per start and writes it into worker.env; the model's command
+    # takes it from there.
+    decided = units.render_worker(provider(network="host"))
+    assert 'Environment="PROVIDERD_WORKER_PORT' not in decided
+    assert "--port ${PROVIDERD_WORKER_PORT}" in decided
 
 
 def test_the_backoff_condition_names_the_front_backoff_file(runtime: Path) -> None:

@@ -245,13 +245,14 @@ def test_a_job_that_fails_first_fails_the_start_while_nothing_answers() -> None:
         s.close()
 
 
-def test_http_readiness_needs_a_2xx_from_the_front_too() -> None:
-    """503 while loading is not ready for the front either: the job decides then."""
-    fake = FakeSystemd()
-    worker = probing(fake, Ready("http", "/health"), delay_s=0.4)
-    s = listener()
-    s.listen()
-    answered: list[bytes] = []
+def serving(s: socket.socket, loading_s: float) -> list[bytes]:
+    """Answer each connection to `s` with 503 for `loading_s`, then 200; returns the
+    requests it read."""
+    import threading
+    import time
+
+    got: list[bytes] = []
+    ready_at = time.monotonic() + loading_s
 
     def serve() -> None:
         while True:
@@ -260,12 +261,25 @@ def test_http_readiness_needs_a_2xx_from_the_front_too() -> None:
             except OSError:
                 return
             with c:
-                answered.append(c.recv(65536))
-                c.sendall(b"HTTP/1.1 503 Loading\r\nContent-Length: 0\r\n\r\n")
-
-    import threading
+                got.append(c.recv(65536))
+                c.sendall(LOADING if time.monotonic() < ready_at else OK)
 
     threading.Thread(target=serve, daemon=True).start()
+    return got
+
+
+LOADING = b"HTTP/1.1 503 Loading\r\nContent-Length: 0\r\n\r\n"
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+
+
+def test_http_readiness_needs_a_2xx_from_the_front_even_once_the_job_is_done() -> None:
+    """The job ends when the model's program runs (Type=exec): 503 while loading is not
+    ready, the front waits for its own probe's 2xx."""
+    fake = FakeSystemd()
+    worker = probing(fake, Ready("http", "/health"), delay_s=0.01)
+    s = listener()
+    s.listen()
+    answered = serving(s, loading_s=0.4)
 
     async def go() -> float:
         loop = asyncio.get_running_loop()
@@ -277,8 +291,52 @@ def test_http_readiness_needs_a_2xx_from_the_front_too() -> None:
         took = asyncio.run(go())
     finally:
         s.close()
-    assert took >= 0.4  # the job's end, not the 503s
-    assert answered and answered[0].startswith(b"GET /health HTTP/1.1\r\n"), answered
+    assert took >= 0.4  # the first 2xx, not the job's end
+    assert answered[0].startswith(b"GET /health HTTP/1.1\r\n"), answered
+
+
+def test_a_model_that_exits_while_loading_fails_the_start_at_once() -> None:
+    """The job is done (the program runs), the model never answers and exits: the start
+    fails with its status, not at the start timeout."""
+    fake = FakeSystemd()
+    worker = probing(fake, Ready("tcp"), delay_s=0.02)
+    s = listener()  # bound, never listening
+
+    async def go() -> float:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.3, fake.crash, UNIT, "exit-code", 7)
+        t0 = loop.time()
+        with pytest.raises(StartFailed, match="status 7"):
+            await worker.start({"PROVIDERD_WORKER_PORT": str(s.getsockname()[1])}, None)
+        return loop.time() - t0
+
+    try:
+        took = asyncio.run(go())
+    finally:
+        s.close()
+    assert 0.3 <= took < 2.0, took
+    assert ("stop", UNIT) in fake.calls
+
+
+def test_a_model_that_never_answers_fails_at_the_start_timeout() -> None:
+    fake = FakeSystemd()
+    fake.unit(UNIT).behaviour = Behaviour(delay_s=0.02)
+    worker = SystemdWorker(fake, "demo", start_timeout_s=0.5, ready=Ready("tcp"))
+    s = listener()  # bound, never listening
+
+    async def go() -> float:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(StartFailed, match=r"did not become ready within 0\.5 s"):
+            await worker.start({"PROVIDERD_WORKER_PORT": str(s.getsockname()[1])}, None)
+        return loop.time() - t0
+
+    try:
+        took = asyncio.run(go())
+    finally:
+        s.close()
+    assert 0.5 <= took < 2.0, took
+    assert ("stop", UNIT) in fake.calls  # a model left loading would hold its memory
 
 
 def test_notify_models_are_not_probed() -> None:

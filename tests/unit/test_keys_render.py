@@ -46,7 +46,7 @@ SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"runtime.command": None, "runtime.launch": "pkg.mod:one"},
         {"runtime.command": None, "runtime.launch": "pkg.mod:two"},
     ),
-    "runtime.ready": ({"runtime.ready": "tcp"}, {"runtime.ready": "http:/health"}),
+    "runtime.ready": ({"runtime.ready": "tcp"}, {"runtime.ready": "notify"}),
     "runtime.environment": (
         {"runtime.environment": {"A": "1"}},
         {"runtime.environment": {"A": "2"}},

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from agent.spec import manifest
 from agent.spec import settings as config
 from agent.spec.patterns import PatternError, compile_pattern
+from agent.spec.placeholders import fill_placeholders
 from agent.spec.provider import Address, Problem, Provider
 from agent.systemd import router_units, units
 
@@ -229,7 +230,17 @@ def check_faithful(p: Provider) -> None:
     assert [w for v in allow for w in v.split()] == list(p.allow)
     assert environment(values(front, "Environment")[0]) == {"PROVIDERD_MANIFEST": str(p.source)}
     execs = values(worker, "ExecStart")
-    assert execs[0] == "" and exec_argv(execs[1]) == units.worker_argv(p)
+    if units.runs_model_directly(p):  # the model's own command, placeholders filled
+        values_ = {
+            "port": str(p.known_worker_port or 4242),
+            "host": units.worker_loopback(p.slug) if p.network == "host" else "127.0.0.1",
+            "slug": p.slug,
+            "python": units.PYTHON,
+        }
+        argv = [fill_placeholders(a, values_) for a in p.command]
+        assert execs[0] == "" and exec_argv(execs[1], {"PROVIDERD_WORKER_PORT": "4242"}) == argv
+    else:
+        assert execs[0] == "" and exec_argv(execs[1]) == units.worker_argv(p)
     env: dict[str, str] = {}
     for v in values(worker, "Environment"):
         env.update(environment(v))
