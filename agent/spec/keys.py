@@ -183,7 +183,8 @@ KEYS: tuple[Key, ...] = (
         "",
         "The worker's command as argv, with placeholders {port}, {host}, {slug}, {python} "
         "({{ and }} for literal braces). Exactly one of command and launch.",
-        "ExecStart= (worker), after the wrapper python3 -m agent.worker",
+        "ExecStart= (worker), placeholders filled (after the wrapper python3 -m agent.worker "
+        "when there are credentials)",
         becomes=(("worker", "ExecStart"),),
     ),
     Key(

@@ -272,11 +272,15 @@ def test_templates_carry_the_decided_settings() -> None:
     assert not [e for e in breaks_cuda if e in worker]
     # Nothing of other providers: manifests, generated drop-ins, runtime files, the bus.
     tmpfs = " ".join(v for s, k, v in worker if k == "TemporaryFileSystem").split()
-    assert {"/etc/providerd:ro", "/usr/lib/providerd:ro"} <= set(tmpfs)
+    assert {"/etc/providerd:ro", "/usr/lib/providerd:ro", "/run:ro"} <= set(tmpfs)
     assert tuple(t.removesuffix(":ro") for t in tmpfs) == units.HIDDEN_FROM_WORKER
-    hidden = " ".join(v for s, k, v in worker if k == "InaccessiblePaths").split()
-    for path in ("/run/systemd/generator", "/run/providerd", "/run/dbus"):
-        assert f"-{path}" in hidden, path
+    # ...and of /run only the journal's and the notify socket come back, read-only.
+    back = " ".join(v for s, k, v in worker if k in ("BindPaths", "BindReadOnlyPaths")).split()
+    assert ("Service", "BindPaths", "") not in worker and back == [
+        "-/run/systemd/journal",
+        "-/run/systemd/notify",
+    ]
+    assert ("Service", "ReadOnlyPaths", "/proc/sys /sys") in worker
     assert not [v for s, k, v in worker if k == "DeviceAllow" and "char-nvidia " in v + " "]
 
 
