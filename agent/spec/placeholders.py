@@ -6,7 +6,8 @@ start, imports nothing but this. `agent.spec.provider` re-exports both names. No
 
 from __future__ import annotations
 
-# Placeholders a command may use; filled by the worker wrapper when the worker starts.
+# Placeholders a command may use; filled by the generator (agent.systemd.units.model_command)
+# or, where it runs, by the worker wrapper when the worker starts.
 # "{{" and "}}" stand for literal braces.
 PLACEHOLDERS = {
     "port": "the worker's private TCP port",

@@ -1,8 +1,10 @@
 """Starting, watching and stopping the worker.
 
 Two implementations of one interface:
-- `SystemdWorker` starts `provider-worker@<slug>.service` through systemd's D-Bus API;
-  the unit is `Type=notify`, so a start job that ends "done" means the model answers.
+- `SystemdWorker` starts `provider-worker@<slug>.service` through systemd's D-Bus API.
+  The unit runs the model itself (`Type=exec`) or the wrapper (`Type=notify`): for `tcp`
+  and `http:` readiness the front's own probe says when the model answers, and the job's
+  end does not; for `notify`, the job ends at the model's READY=1.
 - `ProcessWorker` runs the same wrapper command as a child process (foreground mode),
   giving it a notify socket of its own so the wrapper's READY=1 means the same thing.
 
@@ -134,6 +136,8 @@ class SystemdWorker:
         if result == "timeout":
             return f"worker {what}: did not become ready within {self.start_timeout_s:g} s"
         if result == "exit-code":
+            if isinstance(status, int) and status in _SETUP_STATUS:  # before the model ran
+                return f"worker {what}: status {status}/{_SETUP_STATUS[status]}"
             return f"worker {what} with status {status}"
         if result == "signal":
             return f"worker {what}: killed by signal {status}"
@@ -302,6 +306,17 @@ class SystemdWorker:
         except Exception:
             return {"current": None, "max": None}
         return {"current": known(current), "max": known(limit)}
+
+
+# systemd's own exit statuses for a unit that failed before its command ran
+# (systemd.exec(5), "Process Exit Codes"): the common ones, by the name systemd logs.
+_SETUP_STATUS = {
+    200: "CHDIR (the working directory)",
+    203: "EXEC (the command cannot be run: does the program exist?)",
+    217: "USER",
+    226: "NAMESPACE (the sandbox's mounts: a path it binds may be missing)",
+    243: "CREDENTIALS (a credential file cannot be read)",
+}
 
 
 def _ended(job: asyncio.Future[str], result: str) -> bool:

@@ -4,8 +4,9 @@
     python3 -m agent.worker --slug SLUG [--ready SPEC] -- ARGV...
 
 It is the `ExecStart=` of `provider-worker@<slug>.service` (`Type=notify`,
-`NotifyAccess=main`), and in foreground mode the front runs the same command as a child
-with a `NOTIFY_SOCKET` of its own. `agent.systemd.units.worker_argv()` writes the command line.
+`NotifyAccess=main`) for a provider with `credentials` or `launch` (a plain command runs
+as the unit's main process itself), and in foreground mode the front runs the same command
+as a child with a `NOTIFY_SOCKET` of its own. `agent.systemd.units.worker_argv()` writes the command line.
 
 The model's command
     `-- ARGV...` is the manifest's `command`. `--launch PACKAGE.MODULE:FUNCTION` names a

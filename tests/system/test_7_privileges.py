@@ -374,3 +374,11 @@ def test_a_host_network_worker_cannot_reach_the_other_fronts_on_loopback(
     unit = "provider-worker@privhost.service"
     assert sorted(ct.prop(unit, "IPAddressDeny").split()) == ["127.0.0.0/8", "::1/128"]
     assert ct.prop(unit, "IPAddressAllow").split() == [f"{own}/32"]
+    # The model is the unit's main process, started with the port the front picked for
+    # this start (ExecStart= takes it from worker.env) and the provider's own address.
+    argv = doc["argv"]
+    assert isinstance(argv, list)
+    assert str(env["PROVIDERD_WORKER_PORT"]).isdigit()
+    assert argv[argv.index("--port") + 1] == env["PROVIDERD_WORKER_PORT"], argv
+    assert argv[argv.index("--host") + 1] == own, argv
+    assert str(doc["pid"]) == ct.prop(unit, "MainPID")

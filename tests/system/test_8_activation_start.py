@@ -75,3 +75,15 @@ def test_a_broken_model_waits_out_the_backoff_across_activations(
     assert model_starts(ct, slug, since) == 2
     front = ct.journal(f"-u provider@{slug}.service", since=since)
     assert "refusing requests for 2 s" in front, front
+
+
+def test_a_model_program_that_does_not_exist_is_named_in_the_answer(
+    ct: Container, provider: Provider
+) -> None:
+    port, slug = 18062, "noprogram"
+    text = probe_manifest(port, idle=300).replace("/usr/bin/python3", "/usr/bin/no-such-model")
+    assert "/usr/bin/no-such-model" in text
+    provider.add(slug, text)
+    ct.sh(f"systemctl start provider@{slug}.socket")
+    code, body = get(ct, port)
+    assert code == 503 and "203/EXEC" in body and "does the program exist" in body, body
