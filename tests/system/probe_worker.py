@@ -93,6 +93,9 @@ def main() -> int:
     ap.add_argument(
         "--exit", type=int, default=None, help="exit with this status instead of serving"
     )
+    ap.add_argument(
+        "--notify", action="store_true", help="send READY=1 to $NOTIFY_SOCKET once listening"
+    )
     ap.add_argument("rest", nargs="*", help="ignored; echoed back in argv")
     args = ap.parse_args()
     # The tests count model starts by this line (the worker's main process is this program).
@@ -151,7 +154,14 @@ def main() -> int:
         def log_message(self, format: str, *a: object) -> None:
             pass
 
-    ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    if args.notify:
+        import socket
+
+        where = os.environ["NOTIFY_SOCKET"]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as n:
+            n.sendto(b"READY=1\nSTATUS=probe worker ready", where)
+    server.serve_forever()
     return 0
 
 

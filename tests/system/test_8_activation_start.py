@@ -87,3 +87,19 @@ def test_a_model_program_that_does_not_exist_is_named_in_the_answer(
     ct.sh(f"systemctl start provider@{slug}.socket")
     code, body = get(ct, port)
     assert code == 503 and "203/EXEC" in body and "does the program exist" in body, body
+
+
+def test_a_notify_model_says_ready_to_systemd_itself(ct: Container, provider: Provider) -> None:
+    """ready = "notify": the model is the worker unit's main process and its own READY=1
+    ends the start job; nothing probes it."""
+    port, slug = 18063, "notifies"
+    text = probe_manifest(port, "--notify", idle=300).replace('ready = "tcp"', 'ready = "notify"')
+    provider.add(slug, text)
+    ct.sh(f"systemctl start provider@{slug}.socket")
+    code, body = get(ct, port)
+    assert code == 200, body
+    unit = f"provider-worker@{slug}.service"
+    assert ct.prop(unit, "Type") == "notify"
+    assert ct.prop(unit, "StatusText") == "probe worker ready"
+    assert ct.prop(unit, "ExecMainPID") == ct.prop(unit, "MainPID")
+    assert "probe_worker.py" in ct.sh(f"cat /proc/{ct.prop(unit, 'MainPID')}/cmdline").out
