@@ -73,6 +73,7 @@ INDEX = "providerd.json"
 BACKOFF_FILE = "/run/providerd/%i.backoff"
 KEYS_FILE = "/etc/providerd/keys.toml"  # paths.KEYS: its existence turns API keys on
 WORKER_ENV_FILE = "/run/providerd/%i/worker.env"  # written by the front before its own start
+FRONT_AFTER_WORKER = "provider-worker@%i.service"
 FRONT_STOP_MARGIN_S = 30  # the front's TimeoutStopSec= is stop_timeout_s plus this
 # Hidden from every worker by TemporaryFileSystem= in units/provider-worker@.service (other
 # providers' manifests); a working directory below them is bound back in read-only.
@@ -185,6 +186,13 @@ def socket_assignments(provider: Provider) -> list[Assignment]:
 
 def front_assignments(provider: Provider) -> list[Assignment]:
     out = _unit(provider, "front")
+    if provider.starts_with_front and worker_type(provider) == "exec":
+        # On the same activation, the worker's set-up first: mount namespaces are built
+        # one at a time in the kernel, and the front's would delay the model's by about
+        # 30 ms. A Type=exec worker is started once the model's program runs, and the
+        # front then starts while the model loads; a worker skipped by its conditions
+        # (keys on, a backoff running) does not hold the front back.
+        out.append(("Unit", "After", FRONT_AFTER_WORKER))
     env = environment_assignment("PROVIDERD_MANIFEST", str(provider.source))
     lines = [("Environment", env)]
     lines.append((FRONT_STOP_TIMEOUT, seconds(provider.stop_timeout_s + FRONT_STOP_MARGIN_S)))

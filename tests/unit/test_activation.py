@@ -12,7 +12,7 @@ import pytest
 from agent.front import backoff as saved_backoff
 from agent.front.front import Front
 from agent.front.state import State
-from agent.spec.provider import PRIVATE_WORKER_PORT, Address, Provider
+from agent.spec.provider import PRIVATE_WORKER_PORT, Address, Provider, Ready
 from agent.systemd import units
 from agent.worker.control import StartFailed, SystemdWorker
 from tests.fakes.fake_systemd import Behaviour, FakeSystemd
@@ -63,6 +63,21 @@ def test_the_worker_dropin_lifts_the_front_only_condition_for_them() -> None:
     decided = units.render_worker(provider(network="host"))
     assert 'Environment="PROVIDERD_WORKER_PORT' not in decided
     assert "--port ${PROVIDERD_WORKER_PORT}" in decided
+
+
+def test_the_front_starts_after_a_worker_that_runs_the_model_itself() -> None:
+    """Ordered after a Type=exec worker on the same activation (it is started at the
+    model's exec, and its mount namespace is not built beside the front's); never after a
+    worker it starts itself, or one whose start ends only when the model is ready."""
+    after = ("Unit", "After", "provider-worker@%i.service")
+    assert after in units.front_assignments(provider())
+    for other in (
+        provider(network="host"),  # the front picks the port: it starts the worker
+        provider(gpu_devices="auto"),  # the front places it
+        provider(ready=Ready("notify")),  # READY=1 only once the model is loaded
+        provider(credentials=(("T", "/etc/t"),)),  # the wrapper: READY=1 once it answers
+    ):
+        assert after not in units.front_assignments(other), other
 
 
 def test_the_backoff_condition_names_the_front_backoff_file(runtime: Path) -> None:
