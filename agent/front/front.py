@@ -47,7 +47,7 @@ from agent.spec.apikeys import KeySet
 from agent.spec.provider import Address, Provider
 from agent.systemd import preload
 from agent.systemd.names import front_unit
-from agent.systemd.units import worker_loopback
+from agent.systemd.units import front_after_worker, worker_loopback
 from agent.worker.control import StartFailed, WorkerControl
 
 # A new connection counts as in flight until its first request arrives, at most this long,
@@ -200,6 +200,9 @@ class Front:
         )
         self.address = Address(self.worker_host, self.worker_port)
         self.backoff_file = backoff_file  # systemd mode: the backoff outlives this front
+        # systemd mode: the front's unit is ordered after the worker's (units.front_after_worker)
+        self.after_worker = exit_on_idle and front_after_worker(provider)
+        self._worker_stopped_by_systemd = False
         self.served = 0
         self.last_used = time.time()
         self.last_start: dict[str, Any] | None = None
@@ -584,7 +587,8 @@ class Front:
             start.cancel()  # released while it started: the start ends here, the stop reports
             await asyncio.wait({start})
         try:
-            await self.worker.stop()
+            if not self._worker_stopped_by_systemd:
+                await self.worker.stop()
             self.upstream.clear()
             await self.admission.released(self)
             self.log.info("Worker stopped after %.1f s", loop.time() - began)
@@ -656,8 +660,14 @@ class Front:
         self._flush()
         self.done.set()
 
-    async def stop(self, grace_s: float) -> dict[str, Any]:
-        """Release now, letting requests in flight finish within `grace_s`."""
+    async def stop(self, grace_s: float, by_systemd: bool = False) -> dict[str, Any]:
+        """Release now, letting requests in flight finish within `grace_s`.
+
+        `by_systemd`: PID 1 is stopping the front (SIGTERM). Where the front is ordered
+        after its worker (`units.front_after_worker`), PID 1 stops the worker once the
+        front is gone, and a stop of ours would wait for the front's own: the front leaves
+        it to PID 1."""
+        self._worker_stopped_by_systemd = by_systemd and self.after_worker
         if self.in_flight:
             self.log.info("Stopping: waiting up to %g s for %d request(s)", grace_s, self.in_flight)
             with contextlib.suppress(TimeoutError):
@@ -841,7 +851,12 @@ async def run_systemd(slug: str) -> int:
     grace = provider.stop_timeout_s
     stopping: set[asyncio.Task[dict[str, Any]]] = set()
     with signals.handling(
-        loop, {signal.SIGTERM: lambda: stopping.add(loop.create_task(front.stop(grace)))}
+        loop,
+        {
+            signal.SIGTERM: lambda: stopping.add(
+                loop.create_task(front.stop(grace, by_systemd=True))
+            )
+        },
     ):
         await front.done.wait()
     server.close()

@@ -184,14 +184,20 @@ def socket_assignments(provider: Provider) -> list[Assignment]:
     return out
 
 
+def front_after_worker(provider: Provider) -> bool:
+    """Whether the front's unit is ordered after the worker's (After=). On the same
+    activation, the worker's set-up then runs first: the front's own sandbox built beside
+    it delayed the model's start by about 30 ms. Only for a Type=exec worker systemd starts
+    beside the front: it is started once the model's program runs, and the front then
+    starts while the model loads; a worker skipped by its conditions (keys on, a backoff
+    running) does not hold the front back. The order reverses at a stop: when PID 1 stops
+    the front, it stops the worker after it, so the front must not wait for that stop."""
+    return provider.starts_with_front and worker_type(provider) == "exec"
+
+
 def front_assignments(provider: Provider) -> list[Assignment]:
     out = _unit(provider, "front")
-    if provider.starts_with_front and worker_type(provider) == "exec":
-        # On the same activation, the worker's set-up first: mount namespaces are built
-        # one at a time in the kernel, and the front's would delay the model's by about
-        # 30 ms. A Type=exec worker is started once the model's program runs, and the
-        # front then starts while the model loads; a worker skipped by its conditions
-        # (keys on, a backoff running) does not hold the front back.
+    if front_after_worker(provider):
         out.append(("Unit", "After", FRONT_AFTER_WORKER))
     env = environment_assignment("PROVIDERD_MANIFEST", str(provider.source))
     lines = [("Environment", env)]
