@@ -103,3 +103,20 @@ def test_a_notify_model_says_ready_to_systemd_itself(ct: Container, provider: Pr
     assert ct.prop(unit, "StatusText") == "probe worker ready"
     assert ct.prop(unit, "ExecMainPID") == ct.prop(unit, "MainPID")
     assert "probe_worker.py" in ct.sh(f"cat /proc/{ct.prop(unit, 'MainPID')}/cmdline").out
+
+
+def test_systemctl_stop_of_the_front_stops_both_at_once(ct: Container, provider: Provider) -> None:
+    """The front is ordered after a worker it was activated with: PID 1 stops the worker
+    after the front, so the front must not wait for that stop (it would until its stop
+    timeout, 60 s and more)."""
+    port, slug = 18064, "stopped"
+    provider.add(slug, probe_manifest(port, idle=300))
+    ct.sh(f"systemctl start provider@{slug}.socket")
+    assert get(ct, port)[0] == 200
+    assert ct.prop(f"provider@{slug}.service", "After").count(f"provider-worker@{slug}.service")
+    t0 = time.monotonic()
+    ct.sh(f"systemctl stop provider@{slug}.service", timeout=60)
+    took = time.monotonic() - t0
+    assert ct.active(f"provider-worker@{slug}.service") in ("inactive", "failed")
+    assert took < 15, took
+    assert get(ct, port)[0] == 200  # the socket activates both again
