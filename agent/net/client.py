@@ -70,6 +70,7 @@ _SCRATCH = memoryview(bytearray(4096))  # what a closing connection reads into, 
 PAUSE_AHEAD = 1  # too much sent ahead of the request in flight
 PAUSE_UPSTREAM = 2  # the upstream does not take the body as fast as it comes
 PAUSE_WAIT = 4  # the exchange does not want bytes now
+PAUSE_SPLICE = 8  # the request's body (or a tunnel) is spliced from the socket (agent.net.splice)
 
 
 class ClientConn(asyncio.BufferedProtocol):
@@ -301,7 +302,7 @@ class ClientConn(asyncio.BufferedProtocol):
             else:
                 self.buf[: len(data)] = data
             self.start, self.end = 0, len(data)
-        self.pause(PAUSE_AHEAD | PAUSE_UPSTREAM | PAUSE_WAIT, False)  # each was the request's
+        self.pause(PAUSE_AHEAD | PAUSE_UPSTREAM | PAUSE_WAIT | PAUSE_SPLICE, False)  # the request's
         self.next_request()
 
     # -- time limits ---------------------------------------------------------------------

@@ -28,6 +28,7 @@ from agent.net.client import ClientConn
 from agent.net.contract import Lease, Site, Target
 from agent.net.http import ChunkedScanner, HttpError, RequestHead, ResponseHead, error_response
 from agent.net.sockio import BUFFER_SIZE, error_text
+from agent.net.splice import SPLICE_MIN, Pump
 from agent.net.streaming import Streaming
 from agent.net.upconn import UpstreamConn, UpstreamGone
 
@@ -69,6 +70,8 @@ class Exchange(Streaming):
         "lease",
         "loop",
         "over",
+        "pump_in",
+        "pump_out",
         "req",
         "resp",
         "reused",
@@ -98,6 +101,8 @@ class Exchange(Streaming):
         self.interim = False  # a 1xx went to the client
         self.up_shut = False  # the client's half-close went on to the upstream
         self.over = False
+        self.pump_in: Pump | None = None
+        self.pump_out: Pump | None = None
         self.resp: ResponseHead | None = None
         self.last = 0.0  # loop time of the last byte either way
         self.body_last = 0.0  # loop time of the last body byte from the client
@@ -227,6 +232,8 @@ class Exchange(Streaming):
         if not self.keep_data:
             self.data = bytearray()
         self.arm()
+        if self.body_left >= SPLICE_MIN:
+            self.splice_request()
         self.conn.pause(4, False)
         if self.conn.write_paused and up.transport is not None:
             up.transport.pause_reading()
@@ -261,6 +268,8 @@ class Exchange(Streaming):
         self.body_last = self.last = self.loop.time()
         if self.up is not None:
             self.up.write(view[:used])
+            if self.body_left >= SPLICE_MIN:
+                self.splice_request()
         else:
             self.data += view[:used]
             if self.collects:
@@ -376,6 +385,8 @@ class Exchange(Streaming):
 
     def pause_upstream(self, on: bool) -> None:
         up = self.up
+        if self.pump_out is not None:
+            return  # its reading is the pump's
         if up is not None and up.transport is not None and not up.dead:
             if on:
                 up.transport.pause_reading()
@@ -421,6 +432,8 @@ class Exchange(Streaming):
         self.site.release_slot(self, None)
 
     def drop_up(self) -> None:
+        if self.pump_in is not None or self.pump_out is not None:
+            self.stop_pumps()
         up, self.up = self.up, None
         if up is not None:
             up.close()
@@ -436,6 +449,8 @@ class Exchange(Streaming):
             return
         self.over = True
         self.disarm()
+        if self.pump_in is not None or self.pump_out is not None:
+            self.stop_pumps()
         if self.task is not None:
             self.task.cancel()
             self.task = None

@@ -7,16 +7,26 @@ nothing for sockio.BODY_TIMEOUT_S gets 408. Both ride on the connection's one ti
 (ClientConn.deadline), moved lazily: re-armed about once per limit, not per request or byte.
 
 A tunnel keeps its lease until both sides have closed; each side's EOF is passed on.
+
+Long bodies and tunnels go by splice (agent.net.splice): the rest of a request body of at
+least SPLICE_MIN bytes (Content-Length) from the client to the upstream, the rest of such a
+response body from the upstream to the client, and a tunnel both ways. The source's
+transport is paused meanwhile (the client's by PAUSE_SPLICE), the time limits see every
+splice, and at the body's end the transports take over again (keep-alive goes on). Where
+the kernel declines, the bytes it took go through the transport and the normal path goes on.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
-from agent.net import sockio
+from agent.net import sockio, splice
 from agent.net.answers import Answer, answers
-from agent.net.client import ClientConn
-from agent.net.upconn import UpstreamConn
+from agent.net.client import PAUSE_SPLICE, ClientConn
+from agent.net.sockio import error_text
+from agent.net.splice import Pump
+from agent.net.upconn import UpstreamConn, UpstreamGone
 
 if TYPE_CHECKING:
     from agent.net.contract import Site
@@ -34,6 +44,9 @@ class Streaming:
     consumed: bool
     last: float
     body_last: float
+    body_left: int
+    pump_in: Pump | None  # client → upstream: the request body, or a tunnel's way up
+    pump_out: Pump | None  # upstream → client: the response body, or a tunnel's way down
 
     def drop_up(self) -> None:
         raise NotImplementedError
@@ -45,6 +58,12 @@ class Streaming:
         raise NotImplementedError
 
     def end(self, *, keep_client: bool, keep_up: bool = False, cut: bool = False) -> None:
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        raise NotImplementedError
+
+    def upstream_gone(self, e: UpstreamGone) -> None:
         raise NotImplementedError
 
     # -- time limits
@@ -105,6 +124,11 @@ class Streaming:
             up.write(ahead)
         conn.tunnel = up.transport
         self.leave_slot()  # a tunnel's connection is its own: out of the slots
+        if not conn.eof:
+            self.pump_in = self.pump(TUNNEL_IN, conn.transport, up.transport, -1)
+        self.pump_out = self.pump(TUNNEL_OUT, up.transport, conn.transport, -1)
+        if self.pump_out is not None:
+            up.transport.pause_reading()
         conn.pause(7, False)
         if conn.eof:
             self.tunnel_half()
@@ -128,3 +152,113 @@ class Streaming:
         if up is not None:
             up.close()
         self.end(keep_client=False)
+
+    # -- splicing
+
+    def pump(
+        self, role: int, src: asyncio.Transport | None, dst: asyncio.Transport | None, count: int
+    ) -> Pump | None:
+        """A started pump, or None (no splice here: the normal path goes on)."""
+        conn = self.conn
+        if not splice.AVAILABLE or src is None or dst is None or conn.closed or conn.closing:
+            return None
+        try:
+            pump = Pump(conn.loop, self, role, src, dst, count)
+        except OSError:
+            return None
+        if role in (REQUEST, TUNNEL_IN):
+            conn.pause(PAUSE_SPLICE, True)
+        pump.start()
+        return pump
+
+    def splice_request(self) -> None:
+        """The rest of a long request body, from the client to the upstream in the kernel."""
+        up = self.up
+        if self.pump_in is None and up is not None and not up.dead:
+            self.pump_in = self.pump(REQUEST, self.conn.transport, up.transport, self.body_left)
+
+    def splice_response(self, up: UpstreamConn) -> bool:
+        """The rest of a long response body (up.left bytes), from the upstream to the client
+        in the kernel; False: it goes on through the transports."""
+        if self.pump_out is not None or up is not self.up or up.transport is None:
+            return False
+        self.pump_out = self.pump(RESPONSE, up.transport, self.conn.transport, up.left)
+        if self.pump_out is None:
+            return False
+        up.transport.pause_reading()
+        return True
+
+    def stop_pumps(self) -> None:
+        for pump in (self.pump_in, self.pump_out):
+            if pump is not None:
+                pump.stop()
+        self.pump_in = self.pump_out = None
+
+    def pump_moved(self, pump: Pump) -> None:
+        self.last = self.conn.loop.time()
+        if pump.role == REQUEST:
+            self.body_last = self.last
+
+    def pump_end(self, pump: Pump) -> None:
+        role, early = pump.role, pump.left > 0  # early: the source's EOF before the count
+        up = self.up
+        if role == REQUEST:
+            self.pump_in = None
+            if early:
+                self.conn.eof = True  # the client left in the middle of its body
+                self.cancel()
+                return
+            self.body_left = 0
+            self.consumed = True
+            self.conn.pause(PAUSE_SPLICE, False)
+        elif role == RESPONSE:
+            self.pump_out = None
+            if up is None:
+                return
+            if early:
+                where = "in the middle of a response"
+                up.dead = True
+                self.upstream_gone(UpstreamGone(f"the {up.peer} closed the connection {where}"))
+                return
+            up.body_spliced()
+        elif role == TUNNEL_IN:
+            self.pump_in = None
+            self.conn.eof = True
+            self.tunnel_half()
+        elif up is not None:
+            self.pump_out = None
+            up.eof = True
+            self.tunnel_eof(up)
+
+    def pump_failed(self, pump: Pump, e: OSError, at_source: bool) -> None:
+        client_side = at_source == (pump.role in (REQUEST, TUNNEL_IN))
+        if client_side:
+            self.conn.eof = True  # the client is gone: no lingering
+        if pump.role in (TUNNEL_IN, TUNNEL_OUT):
+            self.tunnel_lost()
+        elif client_side:
+            self.cancel()
+        else:
+            peer = self.site.peer
+            self.upstream_gone(UpstreamGone(f"the {peer} connection failed ({error_text(e)})"))
+
+    def pump_declined(self, pump: Pump, held: bytes) -> None:
+        conn, up = self.conn, self.up
+        if pump.role in (REQUEST, TUNNEL_IN):
+            self.pump_in = None
+            if up is not None:
+                up.write(held)
+            if pump.role == REQUEST:
+                self.body_left = pump.left
+            conn.pause(PAUSE_SPLICE, False)
+            return
+        self.pump_out = None
+        conn.write(held)
+        if up is not None and up.transport is not None:
+            if pump.role == RESPONSE:
+                up.body_rest(pump.left)
+            if not conn.write_paused:
+                up.transport.resume_reading()
+
+
+REQUEST, RESPONSE, TUNNEL_IN, TUNNEL_OUT = range(4)  # what a pump carries

@@ -24,6 +24,7 @@ from agent.net.http import (
     find_head_end,
 )
 from agent.net.sockio import BUFFER_SIZE, BULK_SIZE, give, take
+from agent.net.splice import SPLICE_MIN
 
 IDLE, HEAD, BODY, TUNNEL = range(4)
 
@@ -41,6 +42,7 @@ class Exchange(Protocol):
     def upstream_gone(self, e: UpstreamGone) -> None: ...
     def upstream_failed(self, err: HttpError) -> None: ...
     def pause_client(self, on: bool) -> None: ...
+    def splice_response(self, up: UpstreamConn) -> bool: ...
 
 
 class UpstreamGone(ProviderdError):
@@ -122,6 +124,16 @@ class UpstreamConn(asyncio.BufferedProtocol):
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if self.transport is not None and not self.dead:
             self.transport.write(data)
+
+    def body_spliced(self) -> None:
+        """The rest of the body went by splice (agent.net.splice): the response ends here."""
+        self.left = 0
+        if self.ex is not None:
+            self.end(self.ex)
+
+    def body_rest(self, left: int) -> None:
+        """The splice was declined: the body's last `left` bytes come through here."""
+        self.left = left
 
     def drop_buffer(self) -> None:
         if self.buf is not None:
@@ -211,6 +223,8 @@ class UpstreamConn(asyncio.BufferedProtocol):
                     ex.on_data(view[s : self.s])
                     if self.left == 0:
                         self.end(ex)
+                    elif self.left >= SPLICE_MIN and ex.splice_response(self):
+                        return
                     continue
                 self.scanner = ChunkedScanner() if resp.body == "chunked" else None
                 self.s = head_end
@@ -236,6 +250,8 @@ class UpstreamConn(asyncio.BufferedProtocol):
                 ex.on_data(view[s : s + k])
                 if self.left == 0:
                     self.end(ex)
+                elif self.left >= SPLICE_MIN and ex.splice_response(self):
+                    return
             elif self.scanner is not None:
                 at = self.chunks(buf, s, e)
                 self.s = at if at >= 0 else e

@@ -47,14 +47,17 @@ than /health, /pid or /conns, open now and at most at once),
 GET /health (200 {"status": "ok"}, or 503 {"status": "loading"}),
 GET /pid ({"pid": N}), GET /env and /argv (above), GET /stream?chunks=N&delay=S
 (chunked: N lines "chunk i", S seconds apart; by default --body-chunks lines spread
-over the --slow-body time, or 0.1 s apart without it); any other method and path answers
-{"method", "path", "body_length", "pid"} after reading the whole body.
+over the --slow-body time, or 0.1 s apart without it), /bytes?n=N (any method: N bytes of
+`pattern(N)` with a Content-Length; --slow-body spreads them too); any other method and
+path answers {"method", "path", "body_length", "sha256", "pid"} after reading the whole
+body (sha256: of the body, hex).
 Log lines on stderr start with "misbehave:". HTTP/1.1 with keep-alive.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -70,6 +73,19 @@ from urllib.parse import parse_qs, urlsplit
 CRASH_STATUS = 3
 READY_AT = 0.0  # time.monotonic() from which /health answers 200
 UNCOUNTED = ("/health", "/pid", "/conns")
+BLOCK = 65536
+
+
+def pattern(n: int) -> bytes:
+    """n bytes that no reordering, loss or repetition of blocks leaves unchanged: each
+    64 KiB block begins with its number."""
+    rest = bytes((i * 7 + 3) % 251 for i in range(BLOCK - 8))
+    out = bytearray()
+    i = 0
+    while len(out) < n:
+        out += i.to_bytes(8, "big") + rest
+        i += 1
+    return bytes(out[:n])
 
 
 def log(line: str) -> None:
@@ -192,6 +208,7 @@ class Handler(BaseHTTPRequestHandler):
             with Handler.lock:
                 Handler.open_now += 1
                 Handler.peak = max(Handler.peak, Handler.open_now)
+        self.digest = hashlib.sha256()
         length = self.read_body()
         if self.command == "GET" and url.path == "/health":
             if a.never_ready or time.monotonic() < READY_AT:
@@ -212,9 +229,12 @@ class Handler(BaseHTTPRequestHandler):
             chunks = int(query.get("chunks", [a.body_chunks])[0])
             gap = 0.1 if a.slow_body is None else a.slow_body / max(1, chunks - 1)
             self.stream(chunks, float(query.get("delay", [gap])[0]))
+        elif url.path == "/bytes":
+            self.send_bytes(pattern(int(parse_qs(url.query).get("n", ["0"])[0])))
         else:
             time.sleep(a.work)
             echo = {"method": self.command, "path": self.path, "body_length": length}
+            echo["sha256"] = self.digest.hexdigest()
             echo["pid"] = os.getpid()
             self.send_json(200, echo, slow=a.slow_body)
         if url.path not in UNCOUNTED:
@@ -241,6 +261,7 @@ class Handler(BaseHTTPRequestHandler):
             if not piece:
                 break
             left -= len(piece)
+            self.digest.update(piece)
             if self.args.slow_read:
                 time.sleep(len(piece) / self.args.read_rate)
         return length - left
@@ -260,6 +281,7 @@ class Handler(BaseHTTPRequestHandler):
                     return total
                 left -= len(piece)
                 total += len(piece)
+                self.digest.update(piece)
                 if self.args.slow_read:
                     time.sleep(len(piece) / self.args.read_rate)
             self.rfile.readline(1024)
@@ -281,6 +303,19 @@ class Handler(BaseHTTPRequestHandler):
             if i:
                 time.sleep(slow / max(1, len(pieces) - 1))
             self.wfile.write(piece)
+
+    def send_bytes(self, data: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        slow = self.args.slow_body
+        n = max(1, self.args.body_chunks if slow is not None else 1)
+        size = -(-len(data) // n) if data else 1
+        for i in range(0, len(data), size):
+            if i and slow is not None:
+                time.sleep(slow / max(1, n - 1))
+            self.wfile.write(data[i : i + size])
 
     def stream(self, chunks: int, delay: float) -> None:
         self.send_response(200)

@@ -1,0 +1,336 @@
+"""Long bodies go by splice (agent.net.splice), and everything the normal path guarantees
+still holds: bytes exact both ways (a front, and the router on top of one), keep-alive
+after a spliced body, a client that leaves mid-body releasing its lease, a slow reader
+that costs no memory, and the body timeout while a spliced body stalls.
+
+That the splice path is the one taken is seen from outside: the front holds a pipe while
+a long body passes (/proc/PID/fd), which the normal path never does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import MISBEHAVE, Served, free_port, manifest
+
+pytestmark = pytest.mark.integration
+
+MIB = 1024 * 1024
+BIG = 100 * MIB
+
+sys.path.insert(0, str(MISBEHAVE.parent))
+from misbehave import pattern  # noqa: E402
+
+
+def pipes(pid: int) -> int:
+    """How many pipes process `pid` holds open."""
+    n = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            n += os.readlink(fd).startswith("pipe:")
+    return n
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+class Reader:
+    """HTTP/1.1 responses with a Content-Length read off a raw socket, keep-alive."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+
+    def head(self) -> tuple[int, int]:
+        while b"\r\n\r\n" not in self.buf:
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError(f"closed before a head: {self.buf!r}")
+            self.buf += data
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        lines = head.decode().split("\r\n")
+        length = next(
+            int(line.split(":", 1)[1])
+            for line in lines
+            if line.lower().startswith("content-length:")
+        )
+        return int(lines[0].split()[1]), length
+
+    def body(self, length: int, digest: Any = None, rate: float = 0.0) -> bytes:
+        """`length` bytes; with `digest`, hashed instead of kept; `rate`: bytes per second."""
+        parts, got, t0 = [], 0, time.monotonic()
+        take = min(len(self.buf), length)
+        first, self.buf = self.buf[:take], self.buf[take:]
+        got += take
+        (digest.update if digest is not None else parts.append)(first)
+        while got < length:
+            data = self.sock.recv(min(MIB, length - got))
+            if not data:
+                raise ConnectionError(f"closed after {got} of {length} bytes")
+            got += len(data)
+            (digest.update if digest is not None else parts.append)(data)
+            if rate:
+                ahead = got / rate - (time.monotonic() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+        return b"".join(parts)
+
+    def response(self) -> tuple[int, bytes]:
+        status, length = self.head()
+        return status, self.body(length)
+
+
+def post(sock: socket.socket, path: str, body: bytes, extra: str = "") -> None:
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
+    sock.sendall(head.encode())
+    sock.sendall(body)
+
+
+def get(sock: socket.socket, path: str) -> None:
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+
+
+def front_pid(served: Served) -> int:
+    return served.proc.pid
+
+
+def test_a_100_mib_body_arrives_byte_exact_both_ways_and_keep_alive_goes_on(serve: Any) -> None:
+    port = free_port()
+    s = serve(("big", manifest(port)))
+    data = pattern(BIG)
+    want = hashlib.sha256(data).hexdigest()
+    with connect(port) as sock:
+        r = Reader(sock)
+        get(sock, "/pid")
+        assert r.response()[0] == 200
+        before = pipes(front_pid(s))
+        post(sock, "/upload", data)
+        status, body = r.response()
+        assert status == 200, body
+        echo = json.loads(body)
+        assert (echo["body_length"], echo["sha256"]) == (BIG, want)
+        assert pipes(front_pid(s)) > before  # the body went by splice (the pipe is kept)
+        get(sock, f"/bytes?n={BIG}")
+        status, length = r.head()
+        assert (status, length) == (200, BIG)
+        digest = hashlib.sha256()
+        r.body(length, digest)
+        assert digest.hexdigest() == want
+        # The same connection goes on after each spliced body.
+        post(sock, "/after", b"tail")
+        status, body = r.response()
+        assert status == 200 and json.loads(body)["body_length"] == 4
+
+
+def test_what_came_with_the_head_goes_first_and_a_pipelined_request_follows(serve: Any) -> None:
+    """Head, the body's first bytes and the next request in one write: the spliced rest
+    joins what was read before the switch, and the request after it is served."""
+    port = free_port()
+    serve(("pipelined", manifest(port)))
+    data = pattern(3 * MIB + 17)
+    head = f"POST /a HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+    with connect(port) as sock:
+        r = Reader(sock)
+        sock.sendall(head + data + b"GET /pid HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        status, body = r.response()
+        assert status == 200
+        assert json.loads(body)["sha256"] == hashlib.sha256(data).hexdigest()
+        status, body = r.response()
+        assert status == 200 and "pid" in json.loads(body)
+
+
+def wait_more(served: Served, text: str, before: int, timeout: float = 15) -> None:
+    """Wait until the log has more lines with `text` than `before`."""
+    deadline = time.monotonic() + timeout
+    while served.count(text) <= before:
+        assert time.monotonic() < deadline, f"no new {text!r}:\n{served.log}"
+        time.sleep(0.05)
+
+
+def test_a_client_that_leaves_in_the_middle_of_a_spliced_body_frees_its_lease(
+    serve: Any,
+) -> None:
+    port = free_port()
+    text = manifest(port, "--slow-body", "30", "--body-chunks", "30", idle=1)
+    s = serve(("leaver", text.replace("request_timeout_s = 10", "request_timeout_s = 60")))
+    for leave in ("upload", "download"):
+        with connect(port) as sock:
+            r = Reader(sock)
+            get(sock, "/pid")  # the worker runs
+            assert r.response()[0] == 200
+            stopped = s.count("Worker stopped")
+            if leave == "upload":  # 4 MiB of a 100 MiB body, then gone
+                head = f"POST /up HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {BIG}\r\n\r\n"
+                sock.sendall(head.encode())
+                sock.sendall(pattern(4 * MIB))
+            else:  # the worker sends 100 MiB over 30 s; the client reads 2 MiB and leaves
+                get(sock, f"/bytes?n={BIG}")
+                assert r.head()[0] == 200
+                r.body(2 * MIB)
+            time.sleep(1.5)  # past the idle timeout: the request holds the worker
+            assert s.count("Worker stopped") == stopped, s.log
+        wait_more(s, "Worker stopped", stopped)  # well before request_timeout_s
+
+
+def test_a_slow_reader_of_a_spliced_body_does_not_grow_the_fronts_memory(serve: Any) -> None:
+    port = free_port()
+    s = serve(("slow", manifest(port)))
+    pid = front_pid(s)
+    with connect(port) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * 1024)
+        r = Reader(sock)
+        get(sock, "/pid")
+        r.response()
+        before_rss, before_pipes = rss(pid), pipes(pid)
+        get(sock, f"/bytes?n={BIG}")
+        status, length = r.head()
+        assert status == 200
+        # 8 MiB/s: the worker is done writing long before the client has read.
+        r.body(24 * MIB, rate=8 * MIB)
+        grown = rss(pid) - before_rss
+        assert pipes(pid) > before_pipes  # the body goes by splice
+        assert grown < 8 * MIB, f"the front grew by {grown} bytes behind a slow reader"
+        r.body(length - 24 * MIB)
+        get(sock, "/pid")
+        assert r.response()[0] == 200
+
+
+def test_the_router_relays_a_100_mib_response_byte_exact(
+    serve: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    router_port = free_port()
+    config = tmp_path / "providerd.toml"
+    config.write_text(f'[router]\nenabled = true\naddress = "127.0.0.1:{router_port}"\n')
+    monkeypatch.setenv("PROVIDERD_CONFIG", str(config))
+    port = free_port()
+    text = manifest(port) + '[models]\nnames = ["m-1"]\n'
+    s = serve(("routed", text))
+    s.wait_log("Routing requests by model on 127.0.0.1:")
+    want = hashlib.sha256(pattern(BIG)).hexdigest()
+    body = json.dumps({"model": "m-1"}).encode()
+    with connect(router_port) as sock:
+        r = Reader(sock)
+        for _ in range(2):  # keep-alive: the second one after a spliced body
+            post(sock, f"/bytes?n={BIG}", body, "Content-Type: application/json\r\n")
+            status, length = r.head()
+            assert (status, length) == (200, BIG)
+            digest = hashlib.sha256()
+            r.body(length, digest)
+            assert digest.hexdigest() == want
+
+
+# -- the body timeout, in-process (sockio.BODY_TIMEOUT_S made short)
+
+
+class NoLease:
+    released = 0
+
+    def release(self) -> None:
+        NoLease.released += 1
+
+
+async def spliced_front(worker_port: int) -> socket.socket:
+    """The front's data path (FrontSite on the core) in this loop, always ready, relaying to
+    127.0.0.1:worker_port; its listening socket."""
+    from agent.net.proxy import FrontSite, Style, accept_http
+    from agent.net.upstream import Upstream
+    from agent.spec.provider import Address
+
+    class Ready:
+        slug = "t"
+        request_timeout_s = 30.0
+        upstream = Upstream(limit=8, max_waiting=8)
+        target = (Address("127.0.0.1", worker_port), 1)
+
+        def lease(self, path: str | None) -> NoLease:
+            return NoLease()
+
+        def alive(self, generation: int) -> bool:
+            return True
+
+        def waiting_for_start(self) -> int:
+            return 0
+
+        def ready_now(self) -> tuple[Address, int]:
+            return self.target
+
+        async def ready(self, may_start: bool = True) -> tuple[Address, int]:
+            return self.target
+
+    site = FrontSite(Ready())
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
+
+    def accept() -> None:
+        with_client, _ = listener.accept()
+        accept_http(with_client, site, Style("t"), None)
+
+    loop.add_reader(listener.fileno(), accept)
+    return listener
+
+
+def test_the_body_timeout_fires_while_a_spliced_body_stalls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from agent.net import sockio
+
+    monkeypatch.setattr(sockio, "BODY_TIMEOUT_S", 0.5)
+
+    async def main() -> None:
+        got = asyncio.get_running_loop().create_future()
+
+        async def worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            n = 0
+            while data := await reader.read(MIB):
+                n += len(data)
+            got.set_result(n)
+            writer.close()
+
+        server = await asyncio.start_server(worker, "127.0.0.1", 0)
+        front = await spliced_front(server.sockets[0].getsockname()[1])
+        port = front.getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            f"POST /x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {BIG}\r\n\r\n".encode()
+        )
+        writer.write(pattern(2 * MIB))
+        await writer.drain()
+        t0 = time.monotonic()
+        answer = await asyncio.wait_for(reader.read(), 10)
+        took = time.monotonic() - t0
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+        assert b"no byte of the request body for 0.5 s" in answer
+        assert took < 5
+        assert NoLease.released == 1
+        # The worker's connection was closed, after the 2 MiB that came (nothing more).
+        assert await asyncio.wait_for(got, 5) <= 2 * MIB + 200
+        writer.close()
+        server.close()
+        asyncio.get_running_loop().remove_reader(front.fileno())
+        front.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
