@@ -105,7 +105,7 @@ def always_ready_front(worker_port: int) -> None:
         listening: Listeners
 
         def connection(sock: socket.socket) -> None:
-            accept_http(sock, site, style, listening.closed)
+            accept_http(sock, site, style, listening.closed, listening.loop)
 
         listening = Listeners([socket.socket(fileno=3)], connection, logging.getLogger("bench"))
         listening.start()

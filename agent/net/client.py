@@ -101,9 +101,13 @@ class ClientConn(asyncio.BufferedProtocol):
     )
 
     def __init__(
-        self, site: Site, style: Style, on_closed: Callable[[], None] | None = None
+        self,
+        site: Site,
+        style: Style,
+        on_closed: Callable[[], None] | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
-        self.loop = asyncio.get_running_loop()
+        self.loop = loop or asyncio.get_running_loop()
         self.site = site
         self.style = style
         self.on_closed = on_closed

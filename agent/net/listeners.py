@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
 import resource
 import socket
@@ -31,6 +32,15 @@ MAX_CONNECTIONS = 16384
 FD_RESERVE = 64  # descriptors kept for the worker connections, the control socket, logs
 PAUSE_S = 0.5  # after EMFILE/ENFILE (nginx waits as long)
 OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def settle() -> None:
+    """Start-up is over: what the process holds now (modules, manifests, tables) leaves the
+    garbage collector's view (`gc.freeze()`), so that a full collection while serving walks
+    only what serving made (with the front's modules loaded: 5.7 ms before, a few µs after),
+    a pause that every request in flight would wait out. Freezing costs nothing by itself;
+    a collection first would delay the connection that activated the service."""
+    gc.freeze()
 
 
 def connection_cap(reserve: int = FD_RESERVE) -> int:
@@ -59,12 +69,15 @@ class Listeners:
         self._pause: asyncio.TimerHandle | None = None
         self._full_log = RateLog(log, interval_s=60.0, burst=1)
         self._fds_logged = False
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         for sock in self.sockets:
             sock.setblocking(False)
         self.accepting = True
         self._register()
+        settle()
 
     def _register(self) -> None:
         if self._registered or not self.accepting:
@@ -167,8 +180,8 @@ class HttpListeners(Listeners):
         self.all_closed: asyncio.Event | None = None  # set once none is open, when asked for
 
     def _accepted(self, sock: socket.socket) -> None:
-        conn = accept_http(sock, self.site, self.style, lambda: self._closed(conn))
-        loop = asyncio.get_running_loop()
+        loop = self.loop or asyncio.get_running_loop()
+        conn = accept_http(sock, self.site, self.style, lambda: self._closed(conn), loop)
         self.connections[conn] = loop.call_later(self.grace_s, self.first_request, conn)
         self.on_fresh(+1)
 

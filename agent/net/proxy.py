@@ -19,7 +19,6 @@ from agent.net.answers import Style
 from agent.net.client import ClientConn, Site
 from agent.net.contract import Lease
 from agent.net.site import Backend, FrontSite, Unavailable, too_many_waiting
-from agent.net.sockio import nodelay
 from agent.net.tcp import TcpRelay
 
 __all__ = [
@@ -41,22 +40,31 @@ log = logging.getLogger(__name__)
 _MAKE_TRANSPORT = "_make_socket_transport"
 
 
-def transport_for(sock: socket.socket, protocol: asyncio.BaseProtocol) -> asyncio.Transport:
+def transport_for(
+    sock: socket.socket,
+    protocol: asyncio.BaseProtocol,
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> asyncio.Transport:
     """An accepted socket as a transport driving `protocol`, made at once (connection_made
-    runs in the next turn of the loop, as for any new transport)."""
-    loop = asyncio.get_running_loop()
+    runs in the next turn of the loop, as for any new transport). The transport sets
+    TCP_NODELAY itself; `loop` spares a look-up (a getpid() each) per connection."""
+    loop = loop or asyncio.get_running_loop()
     sock.setblocking(False)
-    nodelay(sock)
     make = getattr(loop, _MAKE_TRANSPORT)
     return cast(asyncio.Transport, make(sock, protocol))
 
 
 def accept_http(
-    sock: socket.socket, site: Site, style: Style, on_closed: Callable[[], None] | None
+    sock: socket.socket,
+    site: Site,
+    style: Style,
+    on_closed: Callable[[], None] | None,
+    loop: asyncio.AbstractEventLoop | None = None,
 ) -> ClientConn:
     """Serve HTTP on an accepted socket from now on; `on_closed` runs once it is gone."""
-    conn = ClientConn(site, style, on_closed)
-    transport_for(sock, conn)
+    loop = loop or asyncio.get_running_loop()
+    conn = ClientConn(site, style, on_closed, loop)
+    transport_for(sock, conn, loop)
     return conn
 
 
