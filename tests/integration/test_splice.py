@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -240,31 +242,37 @@ def test_the_router_relays_a_100_mib_response_byte_exact(
             assert digest.hexdigest() == want
 
 
-# -- the body timeout, in-process (sockio.BODY_TIMEOUT_S made short)
+# -- in-process: the front's data path in this loop, scripted workers
 
 
-class NoLease:
-    released = 0
+class Leases:
+    """Leases given and released."""
+
+    def __init__(self) -> None:
+        self.given = self.released = 0
+
+    def lease(self, path: str | None) -> Leases:
+        self.given += 1
+        return self
 
     def release(self) -> None:
-        NoLease.released += 1
+        self.released += 1
 
 
-async def spliced_front(worker_port: int) -> socket.socket:
-    """The front's data path (FrontSite on the core) in this loop, always ready, relaying to
-    127.0.0.1:worker_port; its listening socket."""
+async def spliced_front(address: Any, leases: Leases) -> socket.socket:
+    """The front's data path (FrontSite on the core) in this loop, always ready, relaying
+    to `address` (an agent.spec.provider.Address); its listening socket."""
     from agent.net.proxy import FrontSite, Style, accept_http
     from agent.net.upstream import Upstream
-    from agent.spec.provider import Address
 
     class Ready:
         slug = "t"
         request_timeout_s = 30.0
         upstream = Upstream(limit=8, max_waiting=8)
-        target = (Address("127.0.0.1", worker_port), 1)
+        target = (address, 1)
 
-        def lease(self, path: str | None) -> NoLease:
-            return NoLease()
+        def lease(self, path: str | None) -> Leases:
+            return leases.lease(path)
 
         def alive(self, generation: int) -> bool:
             return True
@@ -272,10 +280,10 @@ async def spliced_front(worker_port: int) -> socket.socket:
         def waiting_for_start(self) -> int:
             return 0
 
-        def ready_now(self) -> tuple[Address, int]:
+        def ready_now(self) -> tuple[Any, int]:
             return self.target
 
-        async def ready(self, may_start: bool = True) -> tuple[Address, int]:
+        async def ready(self, may_start: bool = True) -> tuple[Any, int]:
             return self.target
 
     site = FrontSite(Ready())
@@ -290,13 +298,181 @@ async def spliced_front(worker_port: int) -> socket.socket:
         accept_http(with_client, site, Style("t"), None)
 
     loop.add_reader(listener.fileno(), accept)
+    pools.append(Ready.upstream)
     return listener
+
+
+pools: list[Any] = []  # the fronts' worker connection pools, closed with them
+
+
+async def close_front(front: socket.socket) -> None:
+    """Stop accepting; close the kept worker connections; let the closes finish."""
+    asyncio.get_running_loop().remove_reader(front.fileno())
+    front.close()
+    while pools:
+        pools.pop().clear()
+    await asyncio.sleep(0.05)
+
+
+async def read_head(reader: asyncio.StreamReader) -> tuple[bytes, int]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head, length
+
+
+async def hashing_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Each request: its body's sha256 back, then as many bytes of pattern() as it had."""
+    while True:
+        try:
+            _, length = await read_head(reader)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            break
+        digest = hashlib.sha256()
+        left = length
+        while left:
+            data = await reader.read(min(left, MIB))
+            if not data:
+                return
+            digest.update(data)
+            left -= len(data)
+        answer = pattern(length)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nX-Sha256: %s\r\nContent-Length: %d\r\n\r\n"
+            % (digest.hexdigest().encode(), len(answer))
+        )
+        writer.write(answer)
+        await writer.drain()
+    writer.close()
+
+
+async def round_trip(port: int, sizes: list[int]) -> None:
+    """On one connection, each size up and down, byte-exact."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    for size in sizes:
+        data = pattern(size)
+        writer.write(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % size)
+        writer.write(data)
+        await writer.drain()
+        head, length = await read_head(reader)
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        want = hashlib.sha256(data).hexdigest().encode()
+        assert b"X-Sha256: " + want in head, (size, head)
+        assert length == size
+        got = await reader.readexactly(length)
+        assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest(), size
+    writer.close()
+
+
+def test_a_unix_socket_worker_gets_and_sends_long_bodies_exact() -> None:
+    from agent.spec.provider import Address
+
+    async def main() -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = f"{tmp}/w.sock"
+            server = await asyncio.start_unix_server(hashing_worker, path)
+            leases = Leases()
+            front = await spliced_front(Address(None, None, path), leases)
+            await round_trip(front.getsockname()[1], [8 * MIB, 100, 3 * MIB + 1])
+            assert leases.given == leases.released == 3
+            await close_front(front)
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_where_the_kernel_declines_to_splice_the_bytes_go_through_python(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kernel without splice for these sockets (EINVAL), as os.splice would answer it:
+    whatever the pump took goes on through the transports, exact, and it is not tried again."""
+    from agent.net import splice
+    from agent.spec.provider import Address
+
+    calls = {"n": 0}
+    real = os.splice
+
+    def declining(src: int, dst: int, count: int, *args: Any, **kw: Any) -> int:
+        calls["n"] += 1
+        if calls["n"] == 1:  # the first one moves bytes into the pipe, the next refuses
+            return real(src, dst, count, *args, **kw)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "splice", declining)
+    monkeypatch.setattr(splice, "declined", set())
+
+    async def main() -> None:
+        server = await asyncio.start_server(hashing_worker, "127.0.0.1", 0)
+        leases = Leases()
+        front = await spliced_front(
+            Address("127.0.0.1", server.sockets[0].getsockname()[1]), leases
+        )
+        await round_trip(front.getsockname()[1], [8 * MIB, 8 * MIB])
+        assert leases.given == leases.released == 2
+        await close_front(front)
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert splice.declined == {(socket.AF_INET, socket.AF_INET)}
+    assert calls["n"] == 2  # declined once, never tried again
+
+
+def test_a_tunnel_carries_long_streams_both_ways_and_passes_each_half_close_on() -> None:
+    from agent.spec.provider import Address
+
+    up_bytes = pattern(6 * MIB)
+    down_bytes = pattern(5 * MIB + 3)
+
+    async def worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: Upgrade\r\n\r\n"
+        )
+        writer.write(down_bytes)
+        writer.write_eof()  # our half-close first; the client's still comes
+        worker.got = await reader.read()  # type: ignore[attr-defined]  # to the client's EOF
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(worker, "127.0.0.1", 0)
+        leases = Leases()
+        front = await spliced_front(
+            Address("127.0.0.1", server.sockets[0].getsockname()[1]), leases
+        )
+        reader, writer = await asyncio.open_connection("127.0.0.1", front.getsockname()[1])
+        writer.write(b"GET /ws HTTP/1.1\r\nHost: t\r\nUpgrade: x\r\nConnection: Upgrade\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 101 ")
+        got = await reader.read()  # to the worker's EOF, passed on
+        assert hashlib.sha256(got).digest() == hashlib.sha256(down_bytes).digest()
+        assert leases.released == 0  # half open: the tunnel holds its lease
+        writer.write(up_bytes)
+        writer.write_eof()
+        await writer.drain()
+        for _ in range(200):
+            if leases.released:
+                break
+            await asyncio.sleep(0.025)
+        assert leases.given == leases.released == 1
+        got = worker.got  # type: ignore[attr-defined]
+        assert hashlib.sha256(got).digest() == hashlib.sha256(up_bytes).digest()
+        writer.close()
+        await close_front(front)
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def test_the_body_timeout_fires_while_a_spliced_body_stalls(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from agent.net import sockio
+    from agent.spec.provider import Address
 
     monkeypatch.setattr(sockio, "BODY_TIMEOUT_S", 0.5)
 
@@ -311,12 +487,12 @@ def test_the_body_timeout_fires_while_a_spliced_body_stalls(
             writer.close()
 
         server = await asyncio.start_server(worker, "127.0.0.1", 0)
-        front = await spliced_front(server.sockets[0].getsockname()[1])
-        port = front.getsockname()[1]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(
-            f"POST /x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {BIG}\r\n\r\n".encode()
+        leases = Leases()
+        front = await spliced_front(
+            Address("127.0.0.1", server.sockets[0].getsockname()[1]), leases
         )
+        reader, writer = await asyncio.open_connection("127.0.0.1", front.getsockname()[1])
+        writer.write(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % BIG)
         writer.write(pattern(2 * MIB))
         await writer.drain()
         t0 = time.monotonic()
@@ -325,12 +501,12 @@ def test_the_body_timeout_fires_while_a_spliced_body_stalls(
         assert answer.startswith(b"HTTP/1.1 408 "), answer
         assert b"no byte of the request body for 0.5 s" in answer
         assert took < 5
-        assert NoLease.released == 1
+        assert leases.given == leases.released == 1
         # The worker's connection was closed, after the 2 MiB that came (nothing more).
         assert await asyncio.wait_for(got, 5) <= 2 * MIB + 200
         writer.close()
+        await close_front(front)
         server.close()
-        asyncio.get_running_loop().remove_reader(front.fileno())
-        front.close()
+        await server.wait_closed()
 
     asyncio.run(asyncio.wait_for(main(), 30))
