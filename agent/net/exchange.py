@@ -23,12 +23,13 @@ from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from agent.errors import ProviderdError
+from agent.net import splice
 from agent.net.answers import Answer, made_up
 from agent.net.client import ClientConn
 from agent.net.contract import Lease, Site, Target
 from agent.net.http import ChunkedScanner, HttpError, RequestHead, ResponseHead, error_response
 from agent.net.sockio import BUFFER_SIZE, error_text
-from agent.net.splice import SPLICE_MIN, Pump
+from agent.net.splice import Pump
 from agent.net.streaming import Streaming
 from agent.net.upconn import UpstreamConn, UpstreamGone
 
@@ -232,7 +233,7 @@ class Exchange(Streaming):
         if not self.keep_data:
             self.data = bytearray()
         self.arm()
-        if self.body_left >= SPLICE_MIN:
+        if self.body_left >= splice.SPLICE_MIN:
             self.splice_request()
         self.conn.pause(4, False)
         if self.conn.write_paused and up.transport is not None:
@@ -268,7 +269,7 @@ class Exchange(Streaming):
         self.body_last = self.last = self.loop.time()
         if self.up is not None:
             self.up.write(view[:used])
-            if self.body_left >= SPLICE_MIN:
+            if self.body_left >= splice.SPLICE_MIN:
                 self.splice_request()
         else:
             self.data += view[:used]

@@ -1,7 +1,9 @@
 """The opaque TCP relay (`protocol = "tcp"`): bytes both ways between two transports,
 half-close aware, with back-pressure (a side whose peer's write buffer is full stops
 reading). While the worker is not there yet, the client's first bytes wait (bounded) and
-its EOF means it gave up.
+its EOF means it gave up. Once both sides are there, the bytes go socket to socket in the
+kernel (agent.net.splice), each way until its EOF, which is passed on; where the kernel
+declines, the transports carry them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any, TypeVar, cast
 
 from agent.errors import ProviderdError
 from agent.net.sockio import BUFFER_SIZE, BULK_SIZE
+from agent.net.splice import AVAILABLE, Pump
 from agent.net.upstream import connect_retrying
 from agent.spec.provider import Address
 
@@ -31,6 +34,7 @@ class _Side(asyncio.Protocol):
         self.peer: _Side | None = None
         self.eof = False
         self.held = bytearray()  # what came before the peer was there
+        self.pump: Pump | None = None  # this side's bytes to the peer, in the kernel
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -63,11 +67,11 @@ class _Side(asyncio.Protocol):
         self.relay.close()
 
     def pause_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None:
+        if self.peer is not None and self.peer.transport is not None and not self.peer.pump:
             self.peer.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None:
+        if self.peer is not None and self.peer.transport is not None and not self.peer.pump:
             self.peer.transport.resume_reading()
 
     def link(self, peer: _Side) -> None:
@@ -121,8 +125,56 @@ class TcpRelay:
         self.up = up
         up.link(self.client)
         self.client.link(up)
+        if AVAILABLE:
+            for side in (self.client, up):
+                self.splice(loop, side)
+
+    # -- both ways in the kernel
+
+    def splice(self, loop: asyncio.AbstractEventLoop, side: _Side) -> None:
+        peer = side.peer
+        if side.eof or side.transport is None or peer is None or peer.transport is None:
+            return
+        try:
+            side.pump = Pump(
+                loop, self, 0 if side is self.client else 1, side.transport, peer.transport, -1
+            )
+        except OSError:
+            return
+        side.transport.pause_reading()
+        side.pump.start()
+
+    def side_of(self, pump: Pump) -> _Side | None:
+        side = self.client if pump.role == 0 else self.up
+        return side if side is not None and side.pump is pump else None
+
+    def pump_moved(self, pump: Pump) -> None:
+        pass
+
+    def pump_end(self, pump: Pump) -> None:
+        """The side's EOF, everything before it passed on."""
+        side = self.side_of(pump)
+        if side is not None:
+            side.pump = None
+            side.eof_received()
+
+    def pump_failed(self, pump: Pump, e: OSError, at_source: bool) -> None:
+        self.close()
+
+    def pump_declined(self, pump: Pump, held: bytes) -> None:
+        side = self.side_of(pump)
+        if side is None or side.transport is None or side.peer is None:
+            return
+        side.pump = None
+        if held and side.peer.transport is not None:
+            side.peer.transport.write(held)
+        side.transport.resume_reading()
 
     def close(self) -> None:
+        for side in (self.client, self.up):
+            if side is not None and side.pump is not None:
+                side.pump.stop()
+                side.pump = None
         for side in (self.client, self.up):
             if side is not None and side.transport is not None:
                 side.transport.close()

@@ -15,6 +15,7 @@ import asyncio
 from typing import Protocol, cast
 
 from agent.errors import ProviderdError
+from agent.net import splice
 from agent.net.headcache import response_head
 from agent.net.http import (
     MAX_HEAD,
@@ -24,7 +25,6 @@ from agent.net.http import (
     find_head_end,
 )
 from agent.net.sockio import BUFFER_SIZE, BULK_SIZE, give, take
-from agent.net.splice import SPLICE_MIN
 
 IDLE, HEAD, BODY, TUNNEL = range(4)
 
@@ -223,7 +223,7 @@ class UpstreamConn(asyncio.BufferedProtocol):
                     ex.on_data(view[s : self.s])
                     if self.left == 0:
                         self.end(ex)
-                    elif self.left >= SPLICE_MIN and ex.splice_response(self):
+                    elif self.left >= splice.SPLICE_MIN and ex.splice_response(self):
                         return
                     continue
                 self.scanner = ChunkedScanner() if resp.body == "chunked" else None
@@ -250,7 +250,7 @@ class UpstreamConn(asyncio.BufferedProtocol):
                 ex.on_data(view[s : s + k])
                 if self.left == 0:
                     self.end(ex)
-                elif self.left >= SPLICE_MIN and ex.splice_response(self):
+                elif self.left >= splice.SPLICE_MIN and ex.splice_response(self):
                     return
             elif self.scanner is not None:
                 at = self.chunks(buf, s, e)

@@ -145,6 +145,26 @@ def test_a_100_mib_body_arrives_byte_exact_both_ways_and_keep_alive_goes_on(serv
         assert status == 200 and json.loads(body)["body_length"] == 4
 
 
+def test_the_tcp_relay_carries_100_mib_each_way_exact(serve: Any) -> None:
+    """protocol = "tcp": opaque bytes (HTTP here, the worker's), both ways in the kernel."""
+    port = free_port()
+    s = serve(("opaque", manifest(port, protocol="tcp", ready="tcp")))
+    data = pattern(BIG)
+    want = hashlib.sha256(data).hexdigest()
+    with connect(port) as sock:
+        r = Reader(sock)
+        before = pipes(front_pid(s))
+        post(sock, "/upload", data)
+        status, body = r.response()
+        assert status == 200 and json.loads(body)["sha256"] == want
+        assert pipes(front_pid(s)) > before
+        get(sock, f"/bytes?n={BIG}")
+        status, length = r.head()
+        digest = hashlib.sha256()
+        r.body(length, digest)
+        assert digest.hexdigest() == want
+
+
 def test_what_came_with_the_head_goes_first_and_a_pipelined_request_follows(serve: Any) -> None:
     """Head, the body's first bytes and the next request in one write: the spliced rest
     joins what was read before the switch, and the request after it is served."""
