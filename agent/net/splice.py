@@ -10,7 +10,8 @@ two descriptors (a transport's descriptor number can be reused once it closes; a
 cannot). A pipe holds at most PIPE_SIZE bytes: a slow reader stops the pump reading, so
 nothing grows.
 
-Its owner learns of it through four calls: `pump_moved` (bytes went by: time limits),
+Its owner learns of it through four calls: `pump_moved` (bytes came in, or went out: for
+the time limits, a slow reader draining the pipe is not a stall),
 `pump_end` (the count is done, or the source's EOF, with the pipe empty), `pump_failed` (a
 socket error: on the source's side or the destination's), `pump_declined` (the kernel
 cannot splice these sockets: the bytes already taken are handed back, and the normal path
@@ -43,7 +44,7 @@ declined: set[tuple[int, int]] = set()  # socket families (source, destination) 
 
 
 class Owner(Protocol):
-    def pump_moved(self, pump: Pump) -> None: ...
+    def pump_moved(self, pump: Pump, taken: bool) -> None: ...
     def pump_end(self, pump: Pump) -> None: ...
     def pump_failed(self, pump: Pump, e: OSError, at_source: bool) -> None: ...
     def pump_declined(self, pump: Pump, held: bytes) -> None: ...
@@ -142,7 +143,7 @@ class Pump:
             self.moved += n
             if self.left > 0:
                 self.left -= n
-            self.owner.pump_moved(self)
+            self.owner.pump_moved(self, True)
             if self.stopped:
                 return
             self.flush()
@@ -174,6 +175,10 @@ class Pump:
                 self.failed(e, at_source=False)
                 return
             self.held -= n
+            if not self.reading:  # a pipe drained by a slow reader: progress too
+                self.owner.pump_moved(self, False)
+                if self.stopped:
+                    return
         self.write_on(False)
         if self.left == 0 or self.eof:
             self.finish()

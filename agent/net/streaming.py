@@ -194,9 +194,9 @@ class Streaming:
                 pump.stop()
         self.pump_in = self.pump_out = None
 
-    def pump_moved(self, pump: Pump) -> None:
+    def pump_moved(self, pump: Pump, taken: bool) -> None:
         self.last = self.conn.loop.time()
-        if pump.role == REQUEST:
+        if taken and pump.role == REQUEST:
             self.body_last = self.last
 
     def pump_end(self, pump: Pump) -> None:

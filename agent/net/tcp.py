@@ -148,7 +148,7 @@ class TcpRelay:
         side = self.client if pump.role == 0 else self.up
         return side if side is not None and side.pump is pump else None
 
-    def pump_moved(self, pump: Pump) -> None:
+    def pump_moved(self, pump: Pump, taken: bool) -> None:
         pass
 
     def pump_end(self, pump: Pump) -> None:

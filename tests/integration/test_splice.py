@@ -279,7 +279,7 @@ class Leases:
         self.released += 1
 
 
-async def spliced_front(address: Any, leases: Leases) -> socket.socket:
+async def spliced_front(address: Any, leases: Leases, timeout_s: float = 30.0) -> socket.socket:
     """The front's data path (FrontSite on the core) in this loop, always ready, relaying
     to `address` (an agent.spec.provider.Address); its listening socket."""
     from agent.net.proxy import FrontSite, Style, accept_http
@@ -287,7 +287,7 @@ async def spliced_front(address: Any, leases: Leases) -> socket.socket:
 
     class Ready:
         slug = "t"
-        request_timeout_s = 30.0
+        request_timeout_s = timeout_s
         upstream = Upstream(limit=8, max_waiting=8)
         target = (address, 1)
 
@@ -524,6 +524,43 @@ def test_the_body_timeout_fires_while_a_spliced_body_stalls(
         assert leases.given == leases.released == 1
         # The worker's connection was closed, after the 2 MiB that came (nothing more).
         assert await asyncio.wait_for(got, 5) <= 2 * MIB + 200
+        writer.close()
+        await close_front(front)
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_slow_but_steady_reader_of_a_spliced_body_is_not_cut_by_request_timeout() -> None:
+    """request_timeout_s is between bytes either way: a reader taking a spliced body at
+    1 MiB/s with a 0.5 s limit gets all of it (the pipe alone holds 1 MiB)."""
+    from agent.spec.provider import Address
+
+    size = 3 * MIB
+
+    async def main() -> None:
+        server = await asyncio.start_server(hashing_worker, "127.0.0.1", 0)
+        leases = Leases()
+        address = Address("127.0.0.1", server.sockets[0].getsockname()[1])
+        front = await spliced_front(address, leases, timeout_s=0.5)
+        sock = socket.create_connection(("127.0.0.1", front.getsockname()[1]))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % size)
+        writer.write(pattern(size))
+        _, length = await read_head(reader)
+        got, t0 = bytearray(), time.monotonic()
+        while len(got) < length:
+            data = await reader.read(64 * 1024)
+            assert data, f"cut after {len(got)} bytes"
+            got += data
+            ahead = len(got) / MIB - (time.monotonic() - t0)
+            if ahead > 0:
+                await asyncio.sleep(ahead)
+        assert hashlib.sha256(got).digest() == hashlib.sha256(pattern(size)).digest()
+        assert leases.released == 1
         writer.close()
         await close_front(front)
         server.close()
