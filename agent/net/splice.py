@@ -32,8 +32,12 @@ from typing import Protocol
 # MiB relayed, splicing took more CPU than the transports for 256 and 384 KiB bodies, as
 # much at 512 KiB, and 20-40 % less from 1 MiB on.
 SPLICE_MIN = 512 * 1024
-PIPE_SIZE = 1024 * 1024  # what a pump's pipe holds (fs.pipe-max-size allows 1 MiB unprivileged)
-PIPES_KEPT = 16  # empty pipes kept for the next pump
+# What a pump's pipe holds: fs.pipe-max-size lets anyone have 1 MiB, and it took a quarter
+# less CPU per MiB than 256 KiB (bench/bench_splice.py's method, 100 MiB bodies). Pipes
+# count against their user's fs.pipe-user-pages-soft (64 MiB by default, shared by every
+# front and the router of the providerd user); past it a pipe keeps its default size.
+PIPE_SIZE = 1024 * 1024
+PIPES_KEPT = 2  # empty pipes kept for the next pump (a new one costs three system calls)
 ROUNDS = 4  # splices per callback at most, so that one busy pump does not starve the loop
 FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
 DECLINED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
