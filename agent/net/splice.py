@@ -40,7 +40,9 @@ PIPE_SIZE = 1024 * 1024
 PIPES_KEPT = 2  # empty pipes kept for the next pump (a new one costs three system calls)
 ROUNDS = 4  # splices per callback at most, so that one busy pump does not starve the loop
 FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
-DECLINED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
+# What a first splice answers where these sockets cannot be spliced, or splice is filtered
+# out (a seccomp filter's errno): the normal path takes over.
+DECLINED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM})
 AVAILABLE = hasattr(os, "splice") and hasattr(fcntl, "F_SETPIPE_SZ")
 
 _pipes: list[tuple[int, int, int]] = []  # (read end, write end, size)
