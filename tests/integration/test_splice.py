@@ -238,6 +238,37 @@ def test_a_slow_reader_of_a_spliced_body_does_not_grow_the_fronts_memory(serve: 
         assert r.response()[0] == 200
 
 
+def test_a_slow_worker_reading_a_spliced_body_does_not_grow_the_fronts_memory(
+    serve: Any,
+) -> None:
+    port = free_port()
+    s = serve(("slowread", manifest(port, "--slow-read", "--read-rate", str(4 * MIB))))
+    pid = front_pid(s)
+    data = pattern(16 * MIB)
+    with connect(port) as sock:
+        r = Reader(sock)
+        get(sock, "/pid")
+        r.response()
+        before = rss(pid)
+        head = f"POST /up HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(data)}\r\n\r\n"
+        sock.sendall(head.encode())
+        sock.setblocking(False)
+        sent, peak, waits = 0, 0, 0
+        while sent < len(data):  # as fast as the front takes it
+            try:
+                sent += sock.send(data[sent : sent + MIB])
+            except BlockingIOError:
+                peak = max(peak, rss(pid) - before)
+                waits += 1
+                time.sleep(0.05)
+        sock.setblocking(True)
+        status, body = r.response()
+        assert status == 200
+        assert json.loads(body)["sha256"] == hashlib.sha256(data).hexdigest()
+        assert waits > 10  # the worker's pace reached the client: it waited over 0.5 s
+        assert peak < 8 * MIB, f"the front grew by {peak} bytes before a slow worker"
+
+
 def test_the_router_relays_a_100_mib_response_byte_exact(
     serve: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
