@@ -93,7 +93,9 @@ class Pump:
         dst: asyncio.Transport,
         count: int,
     ) -> None:
-        """Move `count` bytes (-1: up to EOF) from `src`'s socket to `dst`'s. Raises OSError (out of descriptors: the caller stays on the normal path)."""
+        """Move `count` bytes (-1: up to EOF) from `src`'s socket to `dst`'s. Raises
+        OSError (out of descriptors, or declined before: the caller stays on the normal
+        path)."""
         src_sock, sock = src.get_extra_info("socket"), dst.get_extra_info("socket")
         if src_sock is None or sock is None:
             raise OSError(errno.EBADF, "a transport without a socket")

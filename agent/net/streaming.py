@@ -250,15 +250,20 @@ class Streaming:
                 up.write(held)
             if pump.role == REQUEST:
                 self.body_left = pump.left
+                self.consumed = pump.left == 0
             conn.pause(PAUSE_SPLICE, False)
             return
         self.pump_out = None
         conn.write(held)
-        if up is not None and up.transport is not None:
-            if pump.role == RESPONSE:
-                up.body_rest(pump.left)
-            if not conn.write_paused:
-                up.transport.resume_reading()
+        if up is None or up.transport is None:
+            return
+        if pump.role == RESPONSE and pump.left == 0:
+            up.body_spliced()  # the pipe held the rest: the response is over
+            return
+        if pump.role == RESPONSE:
+            up.body_rest(pump.left)
+        if not conn.write_paused:
+            up.transport.resume_reading()
 
 
 REQUEST, RESPONSE, TUNNEL_IN, TUNNEL_OUT = range(4)  # what a pump carries

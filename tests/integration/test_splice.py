@@ -375,12 +375,14 @@ async def read_head(reader: asyncio.StreamReader) -> tuple[bytes, int]:
 
 
 async def hashing_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Each request: its body's sha256 back, then as many bytes of pattern() as it had."""
+    """Each request: its body's sha256 back, then as many bytes of pattern() as it had
+    (or as its path says: /N)."""
     while True:
         try:
-            _, length = await read_head(reader)
+            head, length = await read_head(reader)
         except (asyncio.IncompleteReadError, ConnectionError):
             break
+        path = head.split(b" ", 2)[1]
         digest = hashlib.sha256()
         left = length
         while left:
@@ -389,7 +391,7 @@ async def hashing_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWri
                 return
             digest.update(data)
             left -= len(data)
-        answer = pattern(length)
+        answer = pattern(int(path[1:]) if path[1:].isdigit() else length)
         writer.write(
             b"HTTP/1.1 200 OK\r\nX-Sha256: %s\r\nContent-Length: %d\r\n\r\n"
             % (digest.hexdigest().encode(), len(answer))
@@ -399,12 +401,13 @@ async def hashing_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWri
     writer.close()
 
 
-async def round_trip(port: int, sizes: list[int]) -> None:
-    """On one connection, each size up and down, byte-exact."""
+async def round_trip(port: int, sizes: list[int], up: bool = True) -> None:
+    """On one connection, each size up (or an empty body) and down, byte-exact."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     for size in sizes:
-        data = pattern(size)
-        writer.write(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % size)
+        data = pattern(size if up else 0)
+        head = b"POST /%d HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n"
+        writer.write(head % (size, len(data)))
         writer.write(data)
         await writer.drain()
         head, length = await read_head(reader)
@@ -413,7 +416,7 @@ async def round_trip(port: int, sizes: list[int]) -> None:
         assert b"X-Sha256: " + want in head, (size, head)
         assert length == size
         got = await reader.readexactly(length)
-        assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest(), size
+        assert hashlib.sha256(got).digest() == hashlib.sha256(pattern(size)).digest(), size
     writer.close()
 
 
@@ -435,8 +438,10 @@ def test_a_unix_socket_worker_gets_and_sends_long_bodies_exact() -> None:
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+@pytest.mark.parametrize("size", [8 * MIB, 100 * 1024])  # the pipe takes part of it, or all
+@pytest.mark.parametrize("up", [True, False], ids=["request", "response"])
 def test_where_the_kernel_declines_to_splice_the_bytes_go_through_python(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, size: int, up: bool
 ) -> None:
     """A kernel without splice for these sockets (EINVAL), as os.splice would answer it:
     whatever the pump took goes on through the transports, exact, and it is not tried again."""
@@ -454,6 +459,7 @@ def test_where_the_kernel_declines_to_splice_the_bytes_go_through_python(
 
     monkeypatch.setattr(os, "splice", declining)
     monkeypatch.setattr(splice, "declined", set())
+    monkeypatch.setattr(splice, "SPLICE_MIN", 1)  # the short body's rest fits the first splice
 
     async def main() -> None:
         server = await asyncio.start_server(hashing_worker, "127.0.0.1", 0)
@@ -461,7 +467,7 @@ def test_where_the_kernel_declines_to_splice_the_bytes_go_through_python(
         front = await spliced_front(
             Address("127.0.0.1", server.sockets[0].getsockname()[1]), leases
         )
-        await round_trip(front.getsockname()[1], [8 * MIB, 8 * MIB])
+        await round_trip(front.getsockname()[1], [size, size], up)
         assert leases.given == leases.released == 2
         await close_front(front)
         server.close()
