@@ -604,3 +604,43 @@ def test_a_slow_but_steady_reader_of_a_spliced_body_is_not_cut_by_request_timeou
         await server.wait_closed()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_pumps_leave_no_descriptor_behind() -> None:
+    """Each pump holds two duplicates and a pipe: after spliced bodies that ended, were
+    cut by a client leaving, and tunnels, only the kept pipes remain."""
+    from agent.net import splice
+    from agent.spec.provider import Address
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def main() -> None:
+        server = await asyncio.start_server(hashing_worker, "127.0.0.1", 0)
+        leases = Leases()
+        address = Address("127.0.0.1", server.sockets[0].getsockname()[1])
+        front = await spliced_front(address, leases)
+        port = front.getsockname()[1]
+        await round_trip(port, [2 * MIB])  # the pipes kept from here on
+        before = fds()
+        for _ in range(5):
+            await round_trip(port, [2 * MIB, 3 * MIB])
+        for _ in range(5):  # a client that leaves in the middle of its body
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % BIG)
+            writer.write(pattern(2 * MIB))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.close()
+        for _ in range(50):
+            if leases.released == leases.given:
+                break
+            await asyncio.sleep(0.02)
+        assert leases.given == leases.released == 16
+        await close_front(front)
+        server.close()
+        await server.wait_closed()
+        assert fds() <= before - 1  # the front's listener is gone, and nothing else stayed
+        assert len(splice._pipes) <= splice.PIPES_KEPT
+
+    asyncio.run(asyncio.wait_for(main(), 60))
