@@ -19,6 +19,7 @@ from agent.net.answers import Style
 from agent.net.client import ClientConn, Site
 from agent.net.contract import Lease
 from agent.net.site import Backend, FrontSite, Unavailable, too_many_waiting
+from agent.net.sockio import nodelay
 from agent.net.tcp import TcpRelay
 
 __all__ = [
@@ -47,9 +48,13 @@ def transport_for(
 ) -> asyncio.Transport:
     """An accepted socket as a transport driving `protocol`, made at once (connection_made
     runs in the next turn of the loop, as for any new transport). The transport sets
-    TCP_NODELAY itself; `loop` spares a look-up (a getpid() each) per connection."""
+    TCP_NODELAY itself on a socket whose protocol says TCP (those systemd passes); one that
+    says 0 (bound here, in the foreground) gets it here. `loop` spares a look-up (a
+    getpid() each) per connection."""
     loop = loop or asyncio.get_running_loop()
     sock.setblocking(False)
+    if sock.proto != socket.IPPROTO_TCP:
+        nodelay(sock)
     make = getattr(loop, _MAKE_TRANSPORT)
     return cast(asyncio.Transport, make(sock, protocol))
 
