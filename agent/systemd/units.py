@@ -74,6 +74,9 @@ BACKOFF_FILE = "/run/providerd/%i.backoff"
 KEYS_FILE = "/etc/providerd/keys.toml"  # paths.KEYS: its existence turns API keys on
 WORKER_ENV_FILE = "/run/providerd/%i/worker.env"  # written by the front before its own start
 FRONT_AFTER_WORKER = "provider-worker@%i.service"
+# Where /etc/resolv.conf points on systems whose resolver manages it (systemd-resolved,
+# NetworkManager, resolvconf), under the /run a worker does not see.
+RESOLVER_FILES = ("/run/systemd/resolve", "/run/NetworkManager/resolv.conf", "/run/resolvconf")
 FRONT_STOP_MARGIN_S = 30  # the front's TimeoutStopSec= is stop_timeout_s plus this
 # Hidden from every worker by TemporaryFileSystem= in units/provider-worker@.service (other
 # providers' manifests); a working directory below them is bound back in read-only.
@@ -272,6 +275,9 @@ def worker_assignments(provider: Provider, python: str = PYTHON) -> list[Assignm
             ("IPAddressDeny", "localhost"),
         ]
         lines += [("IPAddressAllow", ""), ("IPAddressAllow", f"{own}/32")]
+        # It may reach other hosts, so it gets the resolver's files back from the /run it
+        # does not see (where /etc/resolv.conf points on systems that manage it).
+        lines.append(("BindReadOnlyPaths", " ".join(f"-{p}" for p in RESOLVER_FILES)))
     return out + [("Service", k, v) for k, v in lines]
 
 

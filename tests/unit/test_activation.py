@@ -265,3 +265,14 @@ def test_a_saved_backoff_that_ran_out_keeps_its_count_and_lets_the_start_go(
             return front.state, front.backoff.failures
 
     assert asyncio.run(go()) == (State.IDLE, 4)
+
+
+def test_a_host_network_worker_gets_the_resolver_back_and_a_private_one_does_not() -> None:
+    binds = [
+        v
+        for _, k, v in units.worker_assignments(provider(network="host"))
+        if k == "BindReadOnlyPaths"
+    ]
+    assert binds == ["-/run/systemd/resolve -/run/NetworkManager/resolv.conf -/run/resolvconf"]
+    private = units.worker_assignments(provider())
+    assert not [v for _, k, v in private if k == "BindReadOnlyPaths"]

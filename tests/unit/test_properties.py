@@ -254,7 +254,9 @@ def check_faithful(p: Provider) -> None:
     assert [unspecify(v) for v in values(worker, "WorkingDirectory")] == (
         [p.working_directory] if p.working_directory else []
     )
-    assert [unspecify(v) for v in values(worker, "BindReadOnlyPaths")] == list(p.weight_paths)
+    resolver = [" ".join(f"-{r}" for r in units.RESOLVER_FILES)] if p.network == "host" else []
+    binds = [unspecify(v) for v in values(worker, "BindReadOnlyPaths")]
+    assert binds == list(p.weight_paths) + resolver
     what = " ".join(f": {p.description}".split()) if p.description else ""
     for part, role in ((socket, "listener"), (front, "front"), (worker, "worker")):
         assert [unspecify(v) for v in values(part, "Description")] == [
