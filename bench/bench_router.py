@@ -41,6 +41,7 @@ from pathlib import Path
 
 from common import (
     ROOT,
+    always_ready_backend,
     always_ready_front,
     listener,
     pct,
@@ -203,7 +204,6 @@ def in_process(n: int, rounds: int) -> dict[str, float]:
     from agent.net.client import ClientConn
     from agent.net.site import FrontSite
     from agent.net.upconn import UpstreamConn
-    from agent.net.upstream import Upstream
     from agent.router.router import Router, Table
     from agent.spec.provider import Address, Provider
     from agent.spec.settings import RouterConfig
@@ -229,29 +229,6 @@ def in_process(n: int, rounds: int) -> dict[str, float]:
         buf[: len(data)] = data
         protocol.buffer_updated(len(data))
 
-    class NoLease:
-        def release(self) -> None:
-            pass
-
-    class AlwaysReady:  # as common.always_ready_front's
-        slug = "bench"
-        request_timeout_s = 300.0
-        address = Address("127.0.0.1", 1)
-        no_lease = NoLease()
-        upstream = Upstream(limit=4096, max_waiting=100_000)
-
-        def lease(self, path: str | None) -> NoLease:
-            return self.no_lease
-
-        def alive(self, generation: int) -> bool:
-            return True
-
-        def waiting_for_start(self) -> int:
-            return 0
-
-        def ready_now(self) -> tuple[Address, int]:
-            return self.address, 1
-
     async def per_request(name: str) -> float:
         up = UpstreamConn(0, "upstream")
         up.connection_made(Transport())  # type: ignore[arg-type]
@@ -269,7 +246,7 @@ def in_process(n: int, rounds: int) -> dict[str, float]:
             site = router.site
             router.site.pool("bench").keep(up, 0)
         else:
-            backend = AlwaysReady()
+            backend = always_ready_backend(1)
             up.generation = 1
             backend.upstream.keep(up, 1)
             site = FrontSite(backend)  # type: ignore[arg-type]

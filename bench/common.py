@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,19 +59,12 @@ def serve_epoll(on_data: OnData) -> None:
             on_data(sel, conn, buf)
 
 
-def always_ready_front(worker_port: int) -> None:
-    """The front's data path (`agent.net.proxy.accept_http` with a `FrontSite`, accepting
-    through `agent.net.listeners.Listeners` as the front does) on the listening socket fd 3,
-    every connection relayed to 127.0.0.1:worker_port by a backend that is always ready
-    and holds no lease."""
-    import asyncio
-    import logging
-
+def always_ready_backend(worker_port: int) -> Any:
+    """A front's backend for the core (`agent.net.proxy.FrontSite`) that is always ready at
+    127.0.0.1:worker_port and holds no lease."""
     sys.path.insert(0, str(ROOT))
-    from agent.net.listeners import Listeners
-    from agent.net.proxy import FrontSite, Style, accept_http
     from agent.net.upstream import Upstream
-    from agent.spec.provider import Address as Addr
+    from agent.spec.provider import Address
 
     class NoLease:
         def release(self) -> None:
@@ -79,7 +73,7 @@ def always_ready_front(worker_port: int) -> None:
     class AlwaysReady:
         slug = "bench"
         request_timeout_s = 300.0
-        address = Addr("127.0.0.1", worker_port)
+        address = Address("127.0.0.1", worker_port)
         no_lease = NoLease()
         # As many requests at once as the bench sends: it measures the relay, not the pacing.
         upstream = Upstream(limit=4096, max_waiting=100_000)
@@ -93,14 +87,29 @@ def always_ready_front(worker_port: int) -> None:
         def waiting_for_start(self) -> int:
             return 0
 
-        def ready_now(self) -> tuple[Addr, int]:
+        def ready_now(self) -> tuple[Address, int]:
             return self.address, 1
 
-        async def ready(self, may_start: bool = True) -> tuple[Addr, int]:
+        async def ready(self, may_start: bool = True) -> tuple[Address, int]:
             return self.address, 1
+
+    return AlwaysReady()
+
+
+def always_ready_front(worker_port: int) -> None:
+    """The front's data path (`agent.net.proxy.accept_http` with a `FrontSite`, accepting
+    through `agent.net.listeners.Listeners` as the front does) on the listening socket fd 3,
+    every connection relayed to 127.0.0.1:worker_port by a backend that is always ready
+    and holds no lease."""
+    import asyncio
+    import logging
+
+    sys.path.insert(0, str(ROOT))
+    from agent.net.listeners import Listeners
+    from agent.net.proxy import FrontSite, Style, accept_http
 
     async def main() -> None:
-        site = FrontSite(AlwaysReady())
+        site = FrontSite(always_ready_backend(worker_port))
         style = Style("bench")
         listening: Listeners
 

@@ -295,25 +295,34 @@ def test_http_readiness_needs_a_2xx_from_the_front_even_once_the_job_is_done() -
     assert answered[0].startswith(b"GET /health HTTP/1.1\r\n"), answered
 
 
+def start_while_nothing_listens(
+    fake: FakeSystemd, worker: SystemdWorker, match: str, crash_after_s: float | None = None
+) -> float:
+    """Start `worker` for a model that never listens (its port bound, never listening);
+    the start must fail with `match`. Returns how long it took."""
+    s = listener()
+
+    async def go() -> float:
+        loop = asyncio.get_running_loop()
+        if crash_after_s is not None:
+            loop.call_later(crash_after_s, fake.crash, UNIT, "exit-code", 7)
+        t0 = loop.time()
+        with pytest.raises(StartFailed, match=match):
+            await worker.start({"PROVIDERD_WORKER_PORT": str(s.getsockname()[1])}, None)
+        return loop.time() - t0
+
+    try:
+        return asyncio.run(go())
+    finally:
+        s.close()
+
+
 def test_a_model_that_exits_while_loading_fails_the_start_at_once() -> None:
     """The job is done (the program runs), the model never answers and exits: the start
     fails with its status, not at the start timeout."""
     fake = FakeSystemd()
     worker = probing(fake, Ready("tcp"), delay_s=0.02)
-    s = listener()  # bound, never listening
-
-    async def go() -> float:
-        loop = asyncio.get_running_loop()
-        loop.call_later(0.3, fake.crash, UNIT, "exit-code", 7)
-        t0 = loop.time()
-        with pytest.raises(StartFailed, match="status 7"):
-            await worker.start({"PROVIDERD_WORKER_PORT": str(s.getsockname()[1])}, None)
-        return loop.time() - t0
-
-    try:
-        took = asyncio.run(go())
-    finally:
-        s.close()
+    took = start_while_nothing_listens(fake, worker, "status 7", crash_after_s=0.3)
     assert 0.3 <= took < 2.0, took
     assert ("stop", UNIT) in fake.calls
 
@@ -322,19 +331,7 @@ def test_a_model_that_never_answers_fails_at_the_start_timeout() -> None:
     fake = FakeSystemd()
     fake.unit(UNIT).behaviour = Behaviour(delay_s=0.02)
     worker = SystemdWorker(fake, "demo", start_timeout_s=0.5, ready=Ready("tcp"))
-    s = listener()  # bound, never listening
-
-    async def go() -> float:
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        with pytest.raises(StartFailed, match=r"did not become ready within 0\.5 s"):
-            await worker.start({"PROVIDERD_WORKER_PORT": str(s.getsockname()[1])}, None)
-        return loop.time() - t0
-
-    try:
-        took = asyncio.run(go())
-    finally:
-        s.close()
+    took = start_while_nothing_listens(fake, worker, r"did not become ready within 0\.5 s")
     assert 0.5 <= took < 2.0, took
     assert ("stop", UNIT) in fake.calls  # a model left loading would hold its memory
 
