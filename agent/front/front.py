@@ -47,7 +47,7 @@ from agent.spec.apikeys import KeySet
 from agent.spec.provider import Address, Provider
 from agent.systemd import preload
 from agent.systemd.names import front_unit
-from agent.systemd.units import front_after_worker, worker_loopback
+from agent.systemd.units import front_after_worker, worker_host
 from agent.worker.control import StartFailed, WorkerControl
 
 # A new connection counts as in flight until its first request arrives, at most this long,
@@ -195,14 +195,11 @@ class Front:
         # The worker's port: fixed, or 0 to pick a free one at each start (foreground mode).
         self.worker_port = provider.worker_port if worker_port is None else worker_port
         # A host-network worker listens on its own loopback address (units.worker_loopback).
-        self.worker_host = (
-            worker_loopback(provider.slug) if provider.network == "host" else "127.0.0.1"
-        )
+        self.worker_host = worker_host(provider)
         self.address = Address(self.worker_host, self.worker_port)
         self.backoff_file = backoff_file  # systemd mode: the backoff outlives this front
         # systemd mode: the front's unit is ordered after the worker's (units.front_after_worker)
         self.after_worker = exit_on_idle and front_after_worker(provider)
-        self._worker_stopped_by_systemd = False
         self.served = 0
         self.last_used = time.time()
         self.last_start: dict[str, Any] | None = None
@@ -587,8 +584,7 @@ class Front:
             start.cancel()  # released while it started: the start ends here, the stop reports
             await asyncio.wait({start})
         try:
-            if not self._worker_stopped_by_systemd:
-                await self.worker.stop()
+            await self.worker.stop()
             self.upstream.clear()
             await self.admission.released(self)
             self.log.info("Worker stopped after %.1f s", loop.time() - began)
@@ -667,7 +663,8 @@ class Front:
         after its worker (`units.front_after_worker`), PID 1 stops the worker once the
         front is gone, and a stop of ours would wait for the front's own: the front leaves
         it to PID 1."""
-        self._worker_stopped_by_systemd = by_systemd and self.after_worker
+        if by_systemd and self.after_worker:
+            self.worker.leave_stop_to_systemd()
         if self.in_flight:
             self.log.info("Stopping: waiting up to %g s for %d request(s)", grace_s, self.in_flight)
             with contextlib.suppress(TimeoutError):

@@ -21,7 +21,8 @@ from typing import Any
 from agent.errors import ProviderdError
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
-MAX_LINE = 64 * 1024
+# A line each way: room for a keys push of apikeys.MAX_KEYS keys (about 140 KB).
+MAX_LINE = 1024 * 1024
 
 
 class RpcError(ProviderdError):
@@ -46,7 +47,15 @@ async def serve(path: Path, handler: Handler) -> asyncio.AbstractServer:
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             peer_uid = struct.unpack("3i", creds)[1]
         try:
-            while line := await reader.readline():
+            while True:
+                try:
+                    line = await reader.readline()
+                except ValueError:  # over the reader's limit: answered, then closed
+                    writer.write(_line({"error": f"request longer than {MAX_LINE} bytes"}))
+                    await writer.drain()
+                    break
+                if not line:
+                    break
                 try:
                     request = json.loads(line)
                     if not isinstance(request, dict):
@@ -55,9 +64,9 @@ async def serve(path: Path, handler: Handler) -> asyncio.AbstractServer:
                     answer = await handler(request)
                 except (ValueError, KeyError, TypeError) as e:
                     answer = {"error": f"bad request: {e}"}
-                writer.write(json.dumps(answer).encode() + b"\n")
+                writer.write(_line(answer))
                 await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+        except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
             writer.close()
@@ -96,8 +105,9 @@ async def acall(path: Path, request: dict[str, Any], timeout: float = 10.0) -> d
         )
     except OSError as e:  # TimeoutError too
         raise _failed(e) from None
+    data = _line(request)
     try:
-        writer.write(_line(request))
+        writer.write(data)
         line = await asyncio.wait_for(reader.readline(), timeout)
     except OSError as e:
         raise _failed(e) from None

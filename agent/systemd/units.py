@@ -118,6 +118,12 @@ def worker_loopback(slug: str) -> str:
     return f"127.{1 + h[0] % 254}.{h[1]}.{1 + h[2] % 254}"
 
 
+def worker_host(provider: Provider) -> str:
+    """The address the model listens on: 127.0.0.1 in the provider's own network
+    namespace, its own loopback address on the host network."""
+    return worker_loopback(provider.slug) if provider.network == "host" else "127.0.0.1"
+
+
 def worker_argv(provider: Provider, python: str = PYTHON) -> list[str]:
     """The worker wrapper's command line (parsed by `agent.worker.wrapper`)."""
     argv = [python, "-m", "agent.worker", "--slug", provider.slug, "--ready", str(provider.ready)]
@@ -129,11 +135,16 @@ def worker_argv(provider: Provider, python: str = PYTHON) -> list[str]:
 
 
 def runs_model_directly(provider: Provider) -> bool:
-    """Whether the worker unit's main process is the model itself: a plain command, with no
-    credential to turn into a variable (what only the wrapper does). The front probes the
-    model (`tcp`, `http:`) or the model says READY=1 (`notify`); a wrapper would only cost
-    an interpreter's start on the way to every cold start."""
-    return not provider.launch and not provider.credentials
+    """Whether the worker unit's main process is the model itself: a plain command whose
+    program is an absolute path, with no credential to turn into a variable (what only the
+    wrapper does; it also finds a bare program name on the unit's own PATH=, as systemd's
+    ExecStart= does not). The front probes the model (`tcp`, `http:`) or the model says
+    READY=1 (`notify`); a wrapper would only cost an interpreter's start on the way to every
+    cold start."""
+    if provider.launch or provider.credentials or not provider.command:
+        return False
+    program = provider.command[0]
+    return program.startswith("/") or program.startswith("{python}")
 
 
 def model_command(provider: Provider, python: str = PYTHON) -> str:
@@ -141,10 +152,9 @@ def model_command(provider: Provider, python: str = PYTHON) -> str:
     the host and the port are known then, but for a port the front picks at each start,
     left to systemd as ${PROVIDERD_WORKER_PORT} (from worker.env)."""
     port = provider.known_worker_port
-    host = worker_loopback(provider.slug) if provider.network == "host" else "127.0.0.1"
     values = {
         "port": str(port) if port else VARIABLE,
-        "host": host,
+        "host": worker_host(provider),
         "slug": provider.slug,
         "python": python,
     }

@@ -66,6 +66,12 @@ class WorkerControl(Protocol):
         """Stop the worker and return once it is gone."""
         ...
 
+    def leave_stop_to_systemd(self) -> None:
+        """From now on, stopping is PID 1's: it is stopping the front and stops the worker
+        after it (the front's unit is ordered after the worker's), so a stop of ours,
+        queued behind the front's own, would never end while the front waits for it."""
+        ...
+
     async def pids(self) -> list[int]: ...
 
     async def memory(self) -> dict[str, int | None]:
@@ -110,6 +116,7 @@ class SystemdWorker:
         self._running = False  # we started it and did not ask it to stop
         self._exit_task: asyncio.Task[None] | None = None
         self._exited: asyncio.Future[None] | None = None  # set while a start waits
+        self._stop_left_to_systemd = False
 
     def on_exit(self, callback: ExitCallback) -> None:
         self._on_exit = callback
@@ -164,8 +171,9 @@ class SystemdWorker:
             # Whatever ends a start here (its failure, a timeout, a cancel), systemd's job
             # may still run: the worker is stopped, as ProcessWorker ends its child.
             self._running = False
-            with contextlib.suppress(Exception):
-                await self.systemd.stop_unit(self.unit)
+            if not self._stop_left_to_systemd:
+                with contextlib.suppress(Exception):
+                    await self.systemd.stop_unit(self.unit)
             raise
 
     async def _until_started(
@@ -188,24 +196,25 @@ class SystemdWorker:
                 # The job ended once the model's program runs (Type=exec), or at the
                 # wrapper's READY=1: the front's own probe says when the model answers,
                 # unless the worker ends first, within the start timeout.
-                if watching is not None:
-                    with contextlib.suppress(Exception):
-                        await watching  # its exit is seen from here on
+                if watching is not None:  # its exit is seen once it is set up
+                    await asyncio.wait({watching})  # a cancel of ours must not cancel it
                 exited = self._exited = loop.create_future()
-                if await self.systemd.get(self.unit, "Unit", "ActiveState") == "active":
-                    left = self.start_timeout_s - (loop.time() - began)
-                    done, _ = await asyncio.wait(
-                        {answered, exited},
-                        timeout=max(0.0, left),
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                    if exited in done:
-                        reason = await self._failure_reason("failed to start")
-                        raise StartFailed(reason, await journal_tail(self.unit))
-                    if answered in done and answered.exception() is None:
-                        done = {answered}
-                    elif answered in done:  # the probe broke: the running unit decides
-                        done = {job}
+                if await self.systemd.get(self.unit, "Unit", "ActiveState") != "active":
+                    reason = await self._failure_reason("failed to start")
+                    raise StartFailed(reason, await journal_tail(self.unit))
+                left = self.start_timeout_s - (loop.time() - began)
+                done, _ = await asyncio.wait(
+                    {answered, exited},
+                    timeout=max(0.0, left),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if exited in done:
+                    reason = await self._failure_reason("failed to start")
+                    raise StartFailed(reason, await journal_tail(self.unit))
+                if answered in done and answered.exception() is None:
+                    done = {answered}
+                elif answered in done:  # the probe broke: the running unit decides
+                    done = {job}
         finally:
             self._exited = None
             if answered is not None:
@@ -291,7 +300,11 @@ class SystemdWorker:
 
     async def stop(self) -> None:
         self._running = False
-        await self.systemd.stop_unit(self.unit)
+        if not self._stop_left_to_systemd:
+            await self.systemd.stop_unit(self.unit)
+
+    def leave_stop_to_systemd(self) -> None:
+        self._stop_left_to_systemd = True
 
     async def pids(self) -> list[int]:
         return await self.systemd.unit_pids(self.unit)
@@ -603,6 +616,9 @@ class ProcessWorker:
         _kill_group(proc.pid)
         await proc.wait()
         self._drop_credentials()
+
+    def leave_stop_to_systemd(self) -> None:
+        pass  # no systemd here: the front stops its child itself
 
     async def stop(self) -> None:
         self._stopping = True

@@ -276,3 +276,14 @@ def test_a_host_network_worker_gets_the_resolver_back_and_a_private_one_does_not
     assert binds == ["-/run/systemd/resolve -/run/NetworkManager/resolv.conf -/run/resolvconf"]
     private = units.worker_assignments(provider())
     assert not [v for _, k, v in private if k == "BindReadOnlyPaths"]
+
+
+def test_only_an_absolute_program_runs_without_the_wrapper() -> None:
+    """systemd's ExecStart= searches no PATH= of the unit's and takes no relative path: a
+    bare program name (found on the manifest's PATH, say a venv) keeps the wrapper."""
+    assert units.runs_model_directly(provider(command=("/opt/m", "--port", "{port}")))
+    assert units.runs_model_directly(provider(command=("{python}", "-m", "x")))
+    for command in (("serve", "--port", "{port}"), ("./serve",), ("bin/serve",)):
+        p = provider(command=command)
+        assert not units.runs_model_directly(p), command
+        assert "-m agent.worker" in units.render_worker(p)

@@ -371,3 +371,29 @@ def test_a_probe_that_breaks_is_not_taken_for_the_model_answering() -> None:
     worker._probe = lambda env: asyncio.ensure_future(broken())  # type: ignore[method-assign]
     with pytest.raises(StartFailed, match="status 5"):
         asyncio.run(worker.start({"PROVIDERD_WORKER_PORT": "9"}, None))
+
+
+def test_a_stop_left_to_systemd_asks_pid1_for_nothing() -> None:
+    """PID 1 is stopping the front and stops the worker after it: a stop job of ours would
+    wait behind the front's own. Neither a cancelled start nor stop() asks for one."""
+    fake = FakeSystemd()
+    worker = probing(fake, Ready("tcp"), delay_s=0.01)
+    s = listener()  # bound, never listening: the start waits for the model
+
+    async def go() -> None:
+        start = asyncio.ensure_future(
+            worker.start({"PROVIDERD_WORKER_PORT": str(s.getsockname()[1])}, None)
+        )
+        await asyncio.sleep(0.2)
+        worker.leave_stop_to_systemd()
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        await worker.stop()
+
+    try:
+        asyncio.run(go())
+    finally:
+        s.close()
+    assert ("stop", UNIT) not in fake.calls
+    assert fake.unit(UNIT).active == "active"  # PID 1 stops it once the front is gone

@@ -279,6 +279,7 @@ def test_templates_carry_the_decided_settings() -> None:
     assert ("Service", "BindPaths", "") not in worker and back == [
         "-/run/systemd/journal",
         "-/run/systemd/notify",
+        "-/run/systemd/userdb",
     ]
     assert ("Service", "ReadOnlyPaths", "/proc/sys /sys") in worker
     assert not [v for s, k, v in worker if k == "DeviceAllow" and "char-nvidia " in v + " "]
