@@ -98,3 +98,31 @@ def test_both_clients_say_a_front_is_not_running_alike(
         gone.bind(str(stale))  # the file stays, nobody listens
     assert both(stale) == ["NotRunning: not running (stale control socket)"] * 2
     assert both(server(silent), timeout=0.2) == ["RpcError: timed out"] * 2
+
+
+def test_the_server_answers_a_request_over_its_limit_and_carries_a_full_keys_push(
+    tmp_path: Path,
+) -> None:
+    """A request longer than MAX_LINE gets an answer that says so (it used to get none);
+    a push of the most keys a keys file may hold fits."""
+    path = tmp_path / "control.sock"
+
+    async def go() -> tuple[dict[str, object], dict[str, object]]:
+        async def handler(request: dict[str, object]) -> dict[str, object]:
+            return {"size": len(str(request.get("keys", "")))}
+
+        server = await rpc.serve(path, handler)
+        try:
+            keys = [
+                {"name": f"key-{i:04d}", "sha256": "0" * 64, "providers": ["*"]}
+                for i in range(1024)
+            ]
+            pushed = await rpc.acall(path, {"op": "keys", "keys": keys})
+            long = await rpc.acall(path, {"op": "x", "pad": "x" * (rpc.MAX_LINE + 1)})
+            return pushed, long
+        finally:
+            server.close()
+
+    pushed, long = asyncio.run(go())
+    assert isinstance(pushed.get("size"), int) and pushed["size"] > 64 * 1024
+    assert long == {"error": f"request longer than {rpc.MAX_LINE} bytes"}
