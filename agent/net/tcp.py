@@ -166,9 +166,10 @@ class TcpRelay:
         if side is None or side.transport is None or side.peer is None:
             return
         side.pump = None
+        # Reading back on first: a write of `held` over the peer's limit pauses it again.
+        side.transport.resume_reading()
         if held and side.peer.transport is not None:
             side.peer.transport.write(held)
-        side.transport.resume_reading()
 
     def close(self) -> None:
         for side in (self.client, self.up):
