@@ -127,6 +127,7 @@ class RouterSite:
         ex.begin()
 
     def gate(self, req: RequestHead) -> Answer | None:
+        self.passed = None  # whatever this gate answers, no earlier request's key rides on
         if req.upgrade:
             return Answer(
                 501,
@@ -141,7 +142,6 @@ class RouterSite:
             return Answer(status, message, code, close=True)
         if req.body == "length" and req.length > self.router.config.max_body:
             return self.too_large()
-        self.passed = None
         keys = self.router.keys
         if keys is not None:  # 401 on the head alone
             key = auth.authenticate(keys, req)
