@@ -104,6 +104,7 @@ class Exchange(Streaming):
         self.over = False
         self.pump_in: Pump | None = None
         self.pump_out: Pump | None = None
+        self.no_splice = False
         self.resp: ResponseHead | None = None
         self.last = 0.0  # loop time of the last byte either way
         self.body_last = 0.0  # loop time of the last body byte from the client

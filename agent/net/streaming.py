@@ -46,6 +46,7 @@ class Streaming:
     body_last: float
     body_left: int
     pump_in: Pump | None  # client → upstream: the request body, or a tunnel's way up
+    no_splice: bool  # a pump could not be made for this exchange: no more tries
     pump_out: Pump | None  # upstream → client: the response body, or a tunnel's way down
 
     def drop_up(self) -> None:
@@ -162,9 +163,12 @@ class Streaming:
         conn = self.conn
         if not splice.AVAILABLE or src is None or dst is None or conn.closed or conn.closing:
             return None
+        if self.no_splice:
+            return None
         try:
             pump = Pump(conn.loop, self, role, src, dst, count)
-        except OSError:
+        except OSError:  # out of descriptors, or declined: not again on every chunk
+            self.no_splice = True
             return None
         if role in (REQUEST, TUNNEL_IN):
             conn.pause(PAUSE_SPLICE, True)
