@@ -207,6 +207,7 @@ class RouterSite:
         table = self.router.table
         if self.routes_of is not table:
             self.routes_of, self.routes = table, {}
+            self.close()  # a kept connection may lead where a provider no longer listens
         route = self.routes.get(model)
         if route is None:
             provider = table.lookup(model)

@@ -802,3 +802,27 @@ def test_a_new_table_routes_the_next_request_by_its_own_names(
     status, _, body = c.response()
     assert (status, error(body)["code"]) == (404, "model_not_found")
     assert [len(alpha.requests), len(beta.requests)] == [2, 1]
+
+
+def test_a_new_table_does_not_reuse_a_connection_to_an_old_address(
+    two: RunningRouter, alpha: FakeProvider, beta: FakeProvider
+) -> None:
+    """A provider whose address changed across a reload: its next request goes to the new
+    address, not down a connection kept to the old one."""
+    import dataclasses
+
+    c = Client(two.port)
+    c.send(post("a-1"))
+    assert c.response()[0] == 200  # alpha's connection is kept
+    router = two.router
+    assert router is not None
+    moved = dataclasses.replace(beta.provider(names=("a-1",)), slug=alpha.provider().slug)
+
+    async def reload() -> None:
+        router.table = Table([moved])
+
+    asyncio.run_coroutine_threadsafe(reload(), two.loop).result(5)
+    c.send(post("a-1"))
+    status, _, body = c.response()
+    assert (status, json.loads(body)["provider"]) == (200, "beta")
+    assert [len(alpha.requests), len(beta.requests)] == [1, 1]
