@@ -19,7 +19,8 @@ from agent.export.k8s_values import (
     meta,
     selector,
 )
-from agent.spec.provider import Provider, fill_placeholders
+from agent.spec.placeholders import fill_placeholders, placeholder_values
+from agent.spec.provider import Provider
 
 
 def _command(p: Provider, port: int, losses: list[Loss]) -> list[str] | None:
@@ -33,7 +34,7 @@ def _command(p: Provider, port: int, losses: list[Loss]) -> list[str] | None:
             )
         )
         return None
-    values = {"port": str(port), "host": "0.0.0.0", "slug": p.slug, "python": "python3"}
+    values = placeholder_values(port=str(port), host="0.0.0.0", slug=p.slug, python="python3")
     return [escape_dollars(fill_placeholders(a, values)) for a in p.command]
 
 

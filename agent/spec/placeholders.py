@@ -17,6 +17,12 @@ PLACEHOLDERS = {
 }
 
 
+def placeholder_values(*, port: str, host: str, slug: str, python: str) -> dict[str, str]:
+    """What each placeholder stands for, one argument per name in PLACEHOLDERS (the
+    generator, the wrapper and the Kubernetes export each know them differently)."""
+    return {"port": port, "host": host, "slug": slug, "python": python}
+
+
 def fill_placeholders(arg: str, values: dict[str, str]) -> str:
     """Replace `{name}` in one argument; `{{`/`}}` are literal braces.
 

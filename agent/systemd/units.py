@@ -17,7 +17,7 @@ import json
 from collections.abc import Callable
 
 from agent.spec.keys import becomes
-from agent.spec.placeholders import fill_placeholders
+from agent.spec.placeholders import fill_placeholders, placeholder_values
 from agent.spec.provider import Provider
 from agent.spec.sizes import format_size
 from agent.systemd import router_units
@@ -152,12 +152,12 @@ def model_command(provider: Provider, python: str = PYTHON) -> str:
     the host and the port are known then, but for a port the front picks at each start,
     left to systemd as ${PROVIDERD_WORKER_PORT} (from worker.env)."""
     port = provider.known_worker_port
-    values = {
-        "port": str(port) if port else VARIABLE,
-        "host": worker_host(provider),
-        "slug": provider.slug,
-        "python": python,
-    }
+    values = placeholder_values(
+        port=str(port) if port else VARIABLE,
+        host=worker_host(provider),
+        slug=provider.slug,
+        python=python,
+    )
     argv = [fill_placeholders(arg, values) for arg in provider.command]
     return exec_line(argv, "PROVIDERD_WORKER_PORT")
 

@@ -66,6 +66,7 @@ import sys
 import time
 
 from agent.errors import ProviderdError
+from agent.spec import placeholders
 from agent.spec.placeholders import PLACEHOLDERS, fill_placeholders
 from agent.systemd.notify import notify
 
@@ -280,7 +281,7 @@ def placeholder_values(slug: str, environ: Mapping[str, str]) -> dict[str, str]:
             + f" (the front writes it into {where} before each start)"
         )
     host = environ.get("PROVIDERD_WORKER_HOST", "") or "127.0.0.1"
-    return {"port": port, "host": host, "slug": slug, "python": sys.executable}
+    return placeholders.placeholder_values(port=port, host=host, slug=slug, python=sys.executable)
 
 
 def exit_code(status: int) -> int:
