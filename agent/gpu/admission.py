@@ -24,31 +24,28 @@ from agent.errors import ProviderdError
 from agent.gpu.footprint import Footprints
 from agent.gpu.nvml import (
     MIB,
-    Card,
-    GpuProcess,
     Nvml,
     NvmlUnavailable,
     gpu_status,
     open_nvml,
 )
 from agent.gpu.placement import (
+    DEFAULT_HEADROOM,
     Holder,
     Placement,
     Plan,
     Refusal,
     need_bytes,
     plan_admission,
-    subtract_pending,
 )
-from agent.gpu.reservations import Admitted, gpu_lock, pending_bytes, read_reservations
-from agent.gpu.vram import ProcFs, ProcReader
+from agent.gpu.procs import ProcFs, ProcReader
+from agent.gpu.reservations import Admitted, effective_cards, gpu_lock, read_reservations
 from agent.net import rpc
 from agent.spec import paths
 from agent.spec.provider import Provider
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HEADROOM = 1024 * MIB
 FREED_SLACK = 64 * MIB  # NVML may show a little less freed than the retired provider held
 
 
@@ -74,15 +71,6 @@ class AdmissionRefused(ProviderdError):
     def __init__(self, refusal: Refusal) -> None:
         super().__init__(refusal.message)
         self.refusal = refusal
-
-
-def _effective_cards(
-    nvml: Nvml, slug: str, runtime_dir: Path, proc: ProcReader
-) -> tuple[list[Card], list[GpuProcess]]:
-    cards = nvml.cards()
-    procs = nvml.processes()
-    others = [r for r in read_reservations(runtime_dir) if r.slug != slug]
-    return subtract_pending(cards, pending_bytes(others, procs, proc)), procs
 
 
 async def admit(
@@ -158,7 +146,7 @@ async def _attempt(
     retired: list[str] = []
     waited = 0.0
     for _ in range(4):
-        cards, _procs = _effective_cards(nvml, provider.slug, rt, proc)
+        cards, _procs = effective_cards(nvml, provider.slug, rt, proc)
         holders = [h for h in await peers.list() if h.slug != provider.slug]
         plan = plan_admission(provider, need, cards, holders, headroom)
         if isinstance(plan, Refusal):
@@ -222,7 +210,7 @@ async def _wait_freed(
     # Polling is the only way here: the retired worker was another process, its memory
     # is freed by the driver some time after it has gone, and NVML sends no event then.
     while True:
-        cards, _ = _effective_cards(nvml, provider.slug, rt, proc)
+        cards, _ = effective_cards(nvml, provider.slug, rt, proc)
         plan = plan_admission(provider, need, cards, holders, headroom)
         fits = isinstance(plan, Plan) and not plan.victims
         back = all(c.free >= expect.get(c.uuid, 0) for c in cards)

@@ -19,8 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from agent.gpu.nvml import GIB, Card, format_bytes
+from agent.gpu.nvml import GIB, MIB, Card, format_bytes
 from agent.spec.provider import Provider
+
+DEFAULT_HEADROOM = 1024 * MIB  # kept free on a card beyond a provider's need (providerd.toml)
 
 
 @dataclass(frozen=True)

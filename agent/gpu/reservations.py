@@ -9,19 +9,18 @@ worker PIDs use), so a worker that is still loading keeps its share.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.gpu.nvml import GpuProcess, pid_exists
-from agent.gpu.placement import Placement
-from agent.gpu.vram import ProcReader, attribute
+from agent.gpu.nvml import Card, GpuProcess, Nvml, pid_exists
+from agent.gpu.placement import Placement, subtract_pending
+from agent.gpu.procs import ProcReader, attribute
 from agent.spec import paths
 from agent.spec.files import write_atomic
 
@@ -95,11 +94,47 @@ def pending_bytes(
     return pending
 
 
+def effective_cards(
+    nvml: Nvml, slug: str, runtime_dir: Path, proc: ProcReader
+) -> tuple[list[Card], list[GpuProcess]]:
+    """The cards as NVML shows them, less what the other fronts' reservations still hold
+    back (their workers' memory that NVML does not show yet); and NVML's processes."""
+    cards = nvml.cards()
+    procs = nvml.processes()
+    others = [r for r in read_reservations(runtime_dir) if r.slug != slug]
+    return subtract_pending(cards, pending_bytes(others, procs, proc)), procs
+
+
+def _open_lock(runtime_dir: Path) -> int:
+    runtime_dir.mkdir(parents=True, exist_ok=True)
+    return os.open(runtime_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
+@contextlib.contextmanager
+def gpu_lock_now(runtime_dir: Path) -> Iterator[bool]:
+    """The same lock, taken only if it is free at once: yields whether it was taken (False:
+    another front is admitting; the caller leaves the admission to `gpu_lock`)."""
+    fd = _open_lock(runtime_dir)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 @contextlib.asynccontextmanager
 async def gpu_lock(runtime_dir: Path, timeout_s: float) -> AsyncIterator[None]:
     """Exclusive across processes (flock on `<runtime>/gpu.lock`); polls, so the loop runs on."""
-    runtime_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(runtime_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    import asyncio  # not at the top: admission before the event loop uses this module
+
+    fd = _open_lock(runtime_dir)
     try:
         deadline = time.monotonic() + timeout_s
         # Polling is the only way here: the lock is another front's (another process),

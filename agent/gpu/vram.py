@@ -5,75 +5,22 @@ processes: NVML's per-process usage matched to the worker's PIDs. It keeps the
 peak (per card; it becomes the stored footprint) and, when usage goes over the
 budget, reports an `Overage`: `enforce = "stop"` once (the front then stops the
 worker), `"warn"` once per crossing (again only after usage fell back under).
-
-PID namespaces: NVML may report a process by its PID in another namespace than
-the one the front sees. Each worker PID's `/proc/<pid>/status` `NSpid:` line gives
-its PID in every namespace from the front's inwards; an NVML PID matches a worker
-process if it is the front's view of it, or one of its inner-namespace PIDs that is
-not itself a live process in the front's view (so memory is never attributed to the
-wrong worker; a collision under-counts instead).
+Which processes are the worker's, across PID namespaces, is `agent.gpu.procs`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
-from agent.gpu.nvml import GpuProcess, Nvml, format_bytes
+from agent.gpu.nvml import Nvml, format_bytes
+from agent.gpu.procs import ProcFs, ProcReader, attribute
 from agent.spec.provider import Enforce
 
 log = logging.getLogger(__name__)
-
-
-class ProcReader(Protocol):
-    def nspids(self, pid: int) -> tuple[int, ...] | None:
-        """The `NSpid:` PIDs of `pid`, the reader's namespace first; None if no such process."""
-        ...
-
-
-class ProcFs:
-    """`ProcReader` over a proc filesystem."""
-
-    def __init__(self, root: Path = Path("/proc")) -> None:
-        self.root = root
-
-    def nspids(self, pid: int) -> tuple[int, ...] | None:
-        try:
-            text = (self.root / str(pid) / "status").read_text()
-        except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
-            return None
-        except OSError:
-            return (pid,)
-        for line in text.splitlines():
-            if line.startswith("NSpid:"):
-                try:
-                    return tuple(int(x) for x in line.split()[1:]) or (pid,)
-                except ValueError:
-                    break
-        return (pid,)  # kernels before 4.1 have no NSpid line
-
-
-def attribute(
-    processes: Iterable[GpuProcess], pids: Collection[int], proc: ProcReader
-) -> dict[str, int]:
-    """Bytes used by the processes `pids` (the front's view), per card UUID."""
-    direct = set(pids)
-    inner: set[int] = set()
-    for pid in direct:
-        ns = proc.nspids(pid)
-        if ns is not None:
-            inner.update(ns[1:])
-    inner -= direct
-    used: dict[str, int] = {}
-    for p in processes:
-        ours = p.pid in direct or (p.pid in inner and proc.nspids(p.pid) is None)
-        if ours:
-            used[p.card_uuid] = used.get(p.card_uuid, 0) + p.used
-    return used
 
 
 Action = Literal["stop", "warn"]

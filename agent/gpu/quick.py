@@ -1,0 +1,51 @@
+"""Admission at once, before the front's event loop exists: the common case, decided in
+the time of one NVML read.
+
+`admit_now()` takes the GPU lock only if it is free, reads the cards less the other
+fronts' reservations, and admits when the provider fits as things are (no provider to
+retire); it writes the reservation as `agent.gpu.admission.admit` does. Everything else
+(the lock held by another front's admission, a fit that needs a provider retired, a
+refusal) it leaves to `admit`, which waits, retires and explains: it returns None then,
+having changed nothing. No asyncio here: this runs on the way to the worker's StartUnit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from agent.gpu.footprint import Footprints
+from agent.gpu.nvml import Nvml
+from agent.gpu.placement import DEFAULT_HEADROOM, Plan, need_bytes, plan_admission
+from agent.gpu.procs import ProcFs, ProcReader
+from agent.gpu.reservations import Admitted, effective_cards, gpu_lock_now
+from agent.spec import paths
+from agent.spec.provider import Provider
+
+
+def admit_now(
+    provider: Provider,
+    nvml: Nvml,
+    footprints: Footprints,
+    *,
+    headroom_bytes: int | None = None,
+    runtime_dir: Path | None = None,
+    proc: ProcReader | None = None,
+) -> Admitted | None:
+    """Admitted (placement, reservation written) when `provider` fits at once; else None.
+    NVML's errors (`NvmlUnavailable`) are raised, as by `admit`. `headroom_bytes` None:
+    the default."""
+    headroom = DEFAULT_HEADROOM if headroom_bytes is None else headroom_bytes
+    rt = runtime_dir if runtime_dir is not None else paths.runtime_dir()
+    need = need_bytes(provider, footprints.peak(provider.slug))
+    with gpu_lock_now(rt) as taken:
+        if not taken:
+            return None
+        cards, _procs = effective_cards(nvml, provider.slug, rt, proc or ProcFs())
+        # No holders: a provider that fits as things are needs none; one that does not is
+        # `admit`'s to plan, with every holder's status.
+        plan = plan_admission(provider, need, cards, (), headroom)
+        if not isinstance(plan, Plan) or plan.victims:
+            return None
+        admitted = Admitted(provider.slug, plan.placement, need, runtime_dir=rt)
+        admitted._write(())
+        return admitted
