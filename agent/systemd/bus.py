@@ -8,6 +8,9 @@ The races this guards against (research/systemd.md §7):
   results of jobs nobody waits for yet are kept until someone asks.
 - A unit nobody pins is garbage-collected: always `LoadUnit`, never `GetUnit`.
 - Signals only flow after `Subscribe()`.
+- A start asked for before this connection existed (`agent.systemd.syncbus`, by the
+  front's early start) is followed, not asked for again (`adopt`): its `JobRemoved` may
+  have gone out before `Subscribe()`, and then the unit's state tells how it ended.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class DbusSystemd:
         self._finished: dict[str, str] = {}
         self._units: dict[str, Any] = {}  # name -> proxy object
         self._unit_node: Any = None  # UNIT_XML, parsed once
+        self._adopted: dict[str, str] = {}  # unit -> the job of a start asked for already
 
     async def connect(self) -> None:
         from dbus_next.aio.message_bus import MessageBus
@@ -118,10 +122,40 @@ class DbusSystemd:
             self._units[name] = unit
         return unit
 
+    def adopt(self, name: str, job: str) -> None:
+        """`job` starts `name` already (asked for on another connection): the next
+        `start_unit(name)` follows it instead of asking for a start."""
+        self._adopted[name] = job
+
     async def start_unit(self, name: str) -> str:
+        adopted = self._adopted.pop(name, None)
+        if adopted is not None:
+            return await self._follow(name, adopted)
         # By name: PID 1 loads the unit itself, no LoadUnit round trip first.
         job = await self._manager.call_start_unit(name, "replace")
         return await self._wait_job(job)
+
+    async def _follow(self, name: str, job: str) -> str:
+        """The result of a job this connection did not ask for. Its JobRemoved counts from
+        `Subscribe()` on (`connect`); one sent before was not ours to see, so: when the unit
+        no longer runs `job`, the job is over, and "done" lets the caller read the unit's
+        state as for any finished start (active, or why not)."""
+        if job in self._finished:
+            return self._finished.pop(job)
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._waiting[job] = future
+        try:
+            current = await self.get(name, "Unit", "Job")  # (id, path); (0, "/") for none
+        except BaseException:
+            self._waiting.pop(job, None)
+            raise
+        # Signals and replies keep their order on the connection: a JobRemoved sent before
+        # this reply has reached the future by now.
+        running = isinstance(current, (list, tuple)) and len(current) == 2 and current[1] == job
+        if not running and not future.done():
+            self._waiting.pop(job, None)
+            return "done"
+        return await future
 
     async def stop_unit(self, name: str) -> str:
         await self._unit(name)
