@@ -1,5 +1,11 @@
 import sys
 
-from agent.front.front import main
+# The worker's start first, where the front decides it: before the event loop, dbus-next
+# and the rest of the front are imported (agent.front.early).
+from agent.front.early import begin
 
-sys.exit(main(sys.argv[1:]))
+early = begin(sys.argv[1:])
+
+from agent.front.front import main  # noqa: E402
+
+sys.exit(main(sys.argv[1:], early))

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.front import backoff as saved_backoff
+from agent.front.early import Early, free_port, gpu_headroom, worker_environment
 from agent.front.gate import Gate
 from agent.front.hooks import Admission
 from agent.front.state import Action, Event, Mode, State, step
@@ -194,6 +195,9 @@ class Front:
         self.generation = 0
         # The worker's port: fixed, or 0 to pick a free one at each start (foreground mode).
         self.worker_port = provider.worker_port if worker_port is None else worker_port
+        self.first_port: int | None = (
+            None  # the port of a start asked for early (agent.front.early)
+        )
         # A host-network worker listens on its own loopback address (units.worker_loopback).
         self.worker_host = worker_host(provider)
         self.address = Address(self.worker_host, self.worker_port)
@@ -516,12 +520,11 @@ class Front:
             "Starting worker %s%s", cause, f", {waiting} request(s) waiting" if waiting else ""
         )
         try:
-            port = self.worker_port or free_port()
+            port = self.worker_port or self.first_port or free_port()
+            self.first_port = None  # an early start's port serves that start alone
             self.address = Address(self.worker_host, port)
             env, devices = await self.admission.admit(self)
-            env = {"PROVIDERD_WORKER_PORT": str(port), **env}
-            if self.worker_host != "127.0.0.1":
-                env["PROVIDERD_WORKER_HOST"] = self.worker_host
+            env = worker_environment(port, self.worker_host, env)
             if self.backoff_file is not None:
                 saved_backoff.clear(self.backoff_file)  # else the worker's condition skips it
             await asyncio.wait_for(
@@ -763,14 +766,6 @@ class Front:
         self.notify(f"STATUS={text}")
 
 
-def free_port() -> int:
-    """A free loopback port for the worker (in the front's network namespace)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _describe_failure(e: BaseException, timeout_s: float) -> tuple[str, list[str]]:
     if isinstance(e, StartFailed):
         return e.reason, e.log_tail
@@ -784,11 +779,13 @@ def _describe_failure(e: BaseException, timeout_s: float) -> tuple[str, list[str
 # ---------------------------------------------------------------------------- systemd entry
 
 
-async def run_systemd(slug: str) -> int:
+async def run_systemd(slug: str, early: Early | None = None) -> int:
     """The front as `provider@SLUG.service` runs it.
 
-    What decides the worker's start comes first; the control socket and signal handlers
-    are set up while the start is under way.
+    A start the front decides was asked for before this (`early`, agent.front.early) where
+    it could be decided at once: this start follows its job. Otherwise what decides the
+    worker's start comes first; the control socket and signal handlers are set up while
+    the start is under way.
     """
     import signal
 
@@ -798,12 +795,16 @@ async def run_systemd(slug: str) -> int:
     from agent.spec.manifest import ManifestError
     from agent.systemd.bus import DbusSystemd
     from agent.systemd.manifests import load
+    from agent.systemd.names import worker_unit
     from agent.systemd.notify import notify
     from agent.worker.control import SystemdWorker
 
     log = logging.getLogger(f"providerd.{slug}")
+    early = early or Early()
+    for level, note in early.notes:
+        getattr(log, level)("%s", note)
     try:
-        provider = load(slug)
+        provider = early.provider or load(slug)
     except ManifestError as e:
         for problem in e.problems:
             log.error("Failed to load manifest: %s", problem)
@@ -813,6 +814,9 @@ async def run_systemd(slug: str) -> int:
     listeners = inherited_listeners()
     bus = DbusSystemd()
     await bus.connect()
+    if early.start is not None:
+        bus.adopt(worker_unit(slug), early.start.job)
+        log.info("Asked for the worker's start first, %.1f ms into the front", early.start.took_ms)
     backoff_file = paths.backoff_file(slug)
     keys = apikeys.load()  # the credential providerd-keys, while the keys file exists
     apikeys.report(keys, log)
@@ -829,13 +833,15 @@ async def run_systemd(slug: str) -> int:
         exit_on_idle=True,
         notify=notify,
         log=log,
-        admission=admission_for(provider, worker),
+        admission=admission_for(provider, worker, early),
         worker_port=provider.known_worker_port,
         backoff_file=backoff_file,
         keys=keys,
     )
     if saved is not None:
         front.restore_backoff(saved)
+    if early.start is not None:
+        front.first_port = early.start.port
     front.start_accepting()
     notify("READY=1")
     cause = preload.activation_cause(provider)
@@ -861,23 +867,32 @@ async def run_systemd(slug: str) -> int:
     return 0
 
 
-def admission_for(provider: Provider, worker: WorkerControl) -> Admission:
-    """GPU admission for GPU providers; CPU providers always fit."""
+def admission_for(
+    provider: Provider, worker: WorkerControl, early: Early | None = None
+) -> Admission:
+    """GPU admission for GPU providers; CPU providers always fit. What an early start
+    (agent.front.early) admitted, read and opened is taken over."""
     if not provider.uses_gpu:
         return Admission()
     from agent.front.gpu_hooks import GpuAdmission
-    from agent.spec import settings as config
 
-    try:
-        headroom = config.load().gpu.headroom_bytes
-    except config.ConfigError as e:
-        for problem in e.problems:
-            logging.getLogger("providerd").warning("%s; using the default GPU headroom", problem)
-        return GpuAdmission(provider, worker)
-    return GpuAdmission(provider, worker, headroom_bytes=headroom)
+    if early is not None and early.gpu_read:
+        headroom = early.headroom_bytes  # read, and its problems noted, already
+    else:
+        headroom, problems = gpu_headroom()
+        for problem in problems:
+            logging.getLogger("providerd").warning("%s", problem)
+    start = early.start if early is not None else None
+    return GpuAdmission(
+        provider,
+        worker,
+        nvml=early.nvml if early is not None else None,
+        admitted=start.admitted if start is not None else None,
+        headroom_bytes=headroom,
+    )
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], early: Early | None = None) -> int:
     from agent.log import setup
 
     if len(argv) != 1:
@@ -885,5 +900,5 @@ def main(argv: list[str]) -> int:
         return 2
     setup(journal=True)
     with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(run_systemd(argv[0]))
+        return asyncio.run(run_systemd(argv[0], early))
     return 0

@@ -19,7 +19,6 @@ from typing import Any
 
 from agent.front.hooks import Admission, Host
 from agent.gpu.admission import (
-    DEFAULT_HEADROOM,
     AdmissionRefused,
     ControlPeers,
     Peers,
@@ -28,7 +27,7 @@ from agent.gpu.admission import (
 )
 from agent.gpu.footprint import Footprints
 from agent.gpu.nvml import Nvml, NvmlUnavailable, open_nvml
-from agent.gpu.placement import Refusal, budget_bytes, device_allow, worker_env
+from agent.gpu.placement import DEFAULT_HEADROOM, Refusal, budget_bytes, device_allow, worker_env
 from agent.gpu.reservations import Admitted
 from agent.gpu.vram import Overage, VramSampler
 from agent.spec import paths
@@ -62,9 +61,10 @@ class GpuAdmission(Admission):
         nvml: Nvml | None = None,
         peers: Peers | None = None,
         footprints: Footprints | None = None,
-        headroom_bytes: int = DEFAULT_HEADROOM,
+        headroom_bytes: int | None = None,  # None: DEFAULT_HEADROOM
         runtime_dir: Path | None = None,
         interval_s: float = 0.2,
+        admitted: Admitted | None = None,
     ) -> None:
         self.provider = provider
         self.worker = worker
@@ -72,9 +72,11 @@ class GpuAdmission(Admission):
         self.runtime_dir = runtime_dir if runtime_dir is not None else paths.runtime_dir()
         self.peers: Peers = peers or ControlPeers(provider.slug, self.runtime_dir)
         self.footprints = footprints or Footprints()
-        self.headroom_bytes = headroom_bytes
+        self.headroom_bytes = DEFAULT_HEADROOM if headroom_bytes is None else headroom_bytes
         self.interval_s = interval_s
         self.admitted: Admitted | None = None
+        # Admitted before the front's start (agent.front.early): the first admit() takes it.
+        self._early: Admitted | None = admitted
         self.sampler: VramSampler | None = None
         self._task: asyncio.Task[None] | None = None
         self.last_overage: Overage | None = None
@@ -85,9 +87,10 @@ class GpuAdmission(Admission):
         return self._nvml
 
     async def admit(self, host: Host) -> tuple[dict[str, str], DeviceRules | None]:
+        early, self._early = self._early, None
         try:
             nvml = self.nvml()
-            self.admitted = await admit(
+            self.admitted = early or await admit(
                 self.provider,
                 nvml,
                 self.peers,

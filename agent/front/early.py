@@ -1,0 +1,194 @@
+"""The worker's start, asked for first: a front that decides its worker's start (a GPU
+placement, a port chosen per start) decides it and sends `StartUnit` before anything else.
+
+`begin()` runs before the event loop, dbus-next and the rest of the front are imported:
+the manifest; whether this activation starts the worker at all (not with API keys on,
+nor while a saved backoff exists, nor for a worker systemd starts beside the front); the
+port; GPU admission at once (`agent.gpu.quick`); worker.env; `DeviceAllow=` when it must
+change; `StartUnit` over a blocking bus connection (`agent.systemd.syncbus`). The front's
+start then follows that job as it follows a start it asks for itself
+(`agent.systemd.bus.DbusSystemd.adopt`): one start, the same waiting, the same failures.
+
+What it cannot decide at once (the GPU lock held by another front's admission, a fit that
+needs a provider retired, NVML or the bus failing) it leaves, having undone what it did,
+to the front's own start, which then does everything as before. It never raises.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.spec.provider import Provider
+
+SD = "org.freedesktop.systemd1"
+SD_PATH = "/org/freedesktop/systemd1"
+
+
+@dataclass
+class Early:
+    """What `begin()` did: the provider it loaded, and the start it asked for, if any."""
+
+    provider: Provider | None = None
+    start: Started | None = None
+    nvml: Any = None  # agent.gpu.nvml.Nvml, opened for admission: the front keeps using it
+    headroom_bytes: int | None = None  # providerd.toml's, once read (`gpu_read`)
+    gpu_read: bool = False
+    notes: list[tuple[str, str]] = field(default_factory=list)  # (level, message) to log
+
+
+@dataclass(frozen=True)
+class Started:
+    """A start asked for: its job, and what the front's start task needs to follow it."""
+
+    job: str  # the start job's object path
+    port: int
+    env: dict[str, str]  # as written to worker.env
+    devices: list[tuple[str, str]] | None
+    admitted: Any = None  # agent.gpu.reservations.Admitted for a GPU provider
+    took_ms: float = 0.0  # from begin() to StartUnit's reply
+
+
+def free_port() -> int:
+    """A free loopback port for the worker (in the front's network namespace)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def worker_environment(port: int, host: str, gpu_env: Mapping[str, str]) -> dict[str, str]:
+    """worker.env for one start: the port, the GPU's variables, a host-network worker's
+    own loopback address."""
+    env = {"PROVIDERD_WORKER_PORT": str(port), **gpu_env}
+    if host != "127.0.0.1":
+        env["PROVIDERD_WORKER_HOST"] = host
+    return env
+
+
+def env_file_text(env: Mapping[str, str]) -> str:
+    """An EnvironmentFile='s text, as `agent.worker.control.write_env_file` writes it."""
+    lines = []
+    for key, value in env.items():
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
+        lines.append(f'{key}="{escaped}"\n')
+    return "".join(lines)
+
+
+def gpu_headroom() -> tuple[int | None, list[str]]:
+    """providerd.toml's GPU headroom (None: the default) and the problems reading it."""
+    from agent.spec import settings
+
+    try:
+        return settings.load().gpu.headroom_bytes, []
+    except settings.ConfigError as e:
+        return None, [f"{problem}; using the default GPU headroom" for problem in e.problems]
+
+
+def begin(argv: Sequence[str]) -> Early:
+    """Decide the worker's start and ask for it, if this front may do so at once."""
+    began = time.perf_counter()
+    early = Early()
+    if len(argv) != 1:
+        return early
+    try:
+        _begin(argv[0], early, began)
+    except Exception as e:  # a bug: the front's own start does it all, and says what failed
+        early.start = None
+        early.notes.append(("error", f"Failed to ask for the worker's start early: {e!r}"))
+    return early
+
+
+def _begin(slug: str, early: Early, began: float) -> None:
+    from agent.spec import apikeys, paths
+    from agent.spec.manifest import ManifestError
+    from agent.systemd.manifests import load
+
+    try:
+        provider = early.provider = load(slug)
+    except ManifestError:
+        return  # the front's own start loads it again and logs every problem
+    if provider.starts_with_front:
+        return  # systemd started the worker beside the front
+    if apikeys.keys_on() or os.path.lexists(paths.backoff_file(slug)):
+        return  # a request whose key may start it decides; the saved backoff may refuse
+    from agent.systemd.names import worker_unit
+    from agent.systemd.units import worker_loopback
+
+    port = provider.known_worker_port or free_port()
+    host = worker_loopback(slug) if provider.network == "host" else "127.0.0.1"
+    gpu_env: dict[str, str] = {}
+    devices: list[tuple[str, str]] | None = None
+    admitted = None
+    if provider.uses_gpu:
+        admitted = _admit(provider, early)
+        if admitted is None:
+            return
+        from agent.gpu.placement import device_allow, worker_env
+
+        gpu_env, devices = worker_env(admitted.placement), device_allow(admitted.placement)
+    env = worker_environment(port, host, gpu_env)
+    try:
+        from agent.atomic import write_atomic
+
+        write_atomic(paths.worker_env_file(slug), env_file_text(env))
+        job = _start(worker_unit(slug), devices)
+    except Exception as e:
+        if admitted is not None:
+            admitted.release()
+        early.notes.append(("info", f"Starting the worker with the front's own start: {e}"))
+        return
+    took = (time.perf_counter() - began) * 1000
+    early.start = Started(job, port, env, devices, admitted, took)
+
+
+def _admit(provider: Provider, early: Early) -> Any:
+    """GPU admission at once, or None (and a note why not)."""
+    from agent.gpu.footprint import Footprints
+    from agent.gpu.nvml import NvmlUnavailable, open_nvml
+    from agent.gpu.quick import admit_now
+
+    early.headroom_bytes, problems = gpu_headroom()
+    early.gpu_read = True
+    early.notes += [("warning", p) for p in problems]
+    try:
+        early.nvml = open_nvml()
+        admitted = admit_now(
+            provider, early.nvml, Footprints(), headroom_bytes=early.headroom_bytes
+        )
+    except NvmlUnavailable:
+        return None  # the front's own admission reports it
+    if admitted is None:
+        early.notes.append(("info", "GPU admission needs a wait or a retirement: admitting first"))
+    return admitted
+
+
+def _start(unit: str, devices: list[tuple[str, str]] | None) -> str:
+    """`DeviceAllow=` set when it must change, then StartUnit: the job's path."""
+    from agent.systemd.syncbus import PROPERTIES, SyncBus, Variant, unit_path
+
+    bus = SyncBus()
+    try:
+        if devices is not None:
+            try:
+                (current,) = bus.call(
+                    SD, unit_path(unit), PROPERTIES, "Get", "ss", (SD + ".Service", "DeviceAllow")
+                )
+                same = [tuple(r) for r in current.value] == [tuple(r) for r in devices]
+            except Exception:  # the bus says nothing useful: set them
+                same = False
+            if not same:
+                props = [
+                    ("DeviceAllow", Variant("a(ss)", [])),  # an empty list first replaces them
+                    ("DeviceAllow", Variant("a(ss)", devices)),
+                ]
+                args = (unit, True, props)
+                bus.call(SD, SD_PATH, SD + ".Manager", "SetUnitProperties", "sba(sv)", args)
+        (job,) = bus.call(SD, SD_PATH, SD + ".Manager", "StartUnit", "ss", (unit, "replace"))
+        return str(job)
+    finally:
+        bus.close()
