@@ -50,7 +50,14 @@ class Started:
     env: dict[str, str]  # as written to worker.env
     devices: list[tuple[str, str]] | None
     admitted: Any = None  # agent.gpu.reservations.Admitted for a GPU provider
-    took_ms: float = 0.0  # from begin() to StartUnit's reply
+    # From begin() to StartUnit's reply, and its parts: the manifest, the decision (the
+    # GPU's admission, worker.env), the bus (connection, DeviceAllow=, StartUnit).
+    took_ms: float = 0.0
+    parts_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    def describe(self) -> str:
+        m, d, b = self.parts_ms
+        return f"{self.took_ms:.1f} ms into the front: manifest {m:.1f}, decision {d:.1f}, bus {b:.1f} ms"
 
 
 def free_port() -> int:
@@ -112,6 +119,7 @@ def _begin(slug: str, early: Early, began: float) -> None:
         provider = early.provider = load(slug)
     except ManifestError:
         return  # the front's own start loads it again and logs every problem
+    loaded = time.perf_counter()
     if provider.starts_with_front:
         return  # systemd started the worker beside the front
     if apikeys.keys_on() or os.path.lexists(paths.backoff_file(slug)):
@@ -136,14 +144,16 @@ def _begin(slug: str, early: Early, began: float) -> None:
         from agent.atomic import write_atomic
 
         write_atomic(paths.worker_env_file(slug), env_file_text(env))
+        decided = time.perf_counter()
         job = _start(worker_unit(slug), devices)
     except Exception as e:
         if admitted is not None:
             admitted.release()
         early.notes.append(("info", f"Starting the worker with the front's own start: {e}"))
         return
-    took = (time.perf_counter() - began) * 1000
-    early.start = Started(job, port, env, devices, admitted, took)
+    done = time.perf_counter()
+    parts = ((loaded - began) * 1000, (decided - loaded) * 1000, (done - decided) * 1000)
+    early.start = Started(job, port, env, devices, admitted, (done - began) * 1000, parts)
 
 
 def _admit(provider: Provider, early: Early) -> Any:

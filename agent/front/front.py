@@ -816,7 +816,7 @@ async def run_systemd(slug: str, early: Early | None = None) -> int:
     await bus.connect()
     if early.start is not None:
         bus.adopt(worker_unit(slug), early.start.job)
-        log.info("Asked for the worker's start first, %.1f ms into the front", early.start.took_ms)
+        log.info("Asked for the worker's start first, %s", early.start.describe())
     backoff_file = paths.backoff_file(slug)
     keys = apikeys.load()  # the credential providerd-keys, while the keys file exists
     apikeys.report(keys, log)

@@ -7,13 +7,11 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from dbus_next._private.unmarshaller import Unmarshaller
 from dbus_next.constants import MessageType
 from dbus_next.message import Message
 from dbus_next.signature import Variant as DVariant
@@ -21,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.systemd import syncbus as sb
+from tests.fakes.fake_bus import FakeBus
 
 SD = "org.freedesktop.systemd1"
 MANAGER = SD + ".Manager"
@@ -207,73 +206,6 @@ def test_any_set_unit_properties_call_matches_dbus_next(
 
 
 # ------------------------------------------------------------------ against a bus server
-
-
-class FakeBus:
-    """A bus daemon's side of one connection: SASL EXTERNAL, then dbus-next's own reading
-    and writing of messages; `answer(message)` gives the replies to send for each call."""
-
-    def __init__(
-        self, path: Path, answer: Callable[[Message], list[Message]], auth: bytes = b"OK 1234\r\n"
-    ) -> None:
-        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.server.bind(str(path))
-        self.server.listen(1)
-        self.answer = answer
-        self.auth = auth
-        self.calls: list[Message] = []
-        self.auth_line = b""
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.thread.start()
-
-    def run(self) -> None:
-        with self.server:
-            conn, _ = self.server.accept()
-        with conn:
-            data = b""
-            while b"\r\n" not in data:
-                data += conn.recv(4096)
-            self.auth_line, _, rest = data.partition(b"\r\n")
-            conn.sendall(self.auth)
-            if not self.auth.startswith(b"OK"):
-                return
-            while b"BEGIN\r\n" not in rest:
-                rest += conn.recv(4096)
-            rest = rest.split(b"BEGIN\r\n", 1)[1]
-            with conn.makefile("rb") as stream:
-                self.serve(conn, _Prefixed(rest, stream))
-
-    def serve(self, conn: socket.socket, stream: _Prefixed) -> None:
-        serial = 1000
-        while True:
-            try:
-                message = Unmarshaller(stream).unmarshall()
-            except Exception:
-                return
-            if message is None:
-                return
-            self.calls.append(message)
-            for out in self.answer(message):
-                serial += 1
-                out.serial = serial
-                conn.sendall(bytes(out._marshall()))
-
-
-class _Prefixed:
-    """A stream that yields `prefix` first (bytes read past BEGIN), then `stream`."""
-
-    def __init__(self, prefix: bytes, stream: Any) -> None:
-        self.prefix = prefix
-        self.stream = stream
-
-    def read(self, n: int) -> bytes:
-        if self.prefix:
-            out, self.prefix = self.prefix[:n], self.prefix[n:]
-            if len(out) < n:
-                out += self.stream.read(n - len(out))
-            return out
-        data: bytes = self.stream.read(n)
-        return data
 
 
 def systemd(message: Message) -> list[Message]:
