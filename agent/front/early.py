@@ -149,7 +149,9 @@ def _begin(slug: str, early: Early, began: float) -> None:
     except Exception as e:
         if admitted is not None:
             admitted.release()
-        early.notes.append(("info", f"Starting the worker with the front's own start: {e}"))
+        early.notes.append(
+            ("info", f"Failed to ask for the worker's start first: {e}; asking again")
+        )
         return
     done = time.perf_counter()
     parts = ((loaded - began) * 1000, (decided - loaded) * 1000, (done - decided) * 1000)
@@ -173,7 +175,8 @@ def _admit(provider: Provider, early: Early) -> Any:
     except NvmlUnavailable:
         return None  # the front's own admission reports it
     if admitted is None:
-        early.notes.append(("info", "GPU admission needs a wait or a retirement: admitting first"))
+        why = "waits for another front's admission or must make room on the GPU"
+        early.notes.append(("info", f"Not asking for the worker's start first: admission {why}"))
     return admitted
 
 
