@@ -140,6 +140,7 @@ def main() -> int:
             files / "client.py",
             REPO / "tests" / "vm" / "payload" / "run_tests.py",
             REPO / "tests" / "gpu" / "cuda_worker.py",
+            REPO / "tests" / "support",  # the helpers run_tests.py imports
             deb,
         ]
         # TCG on a busy host: a cold round has taken up to 40 s; the boot and install 150 s.
