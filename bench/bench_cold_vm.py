@@ -89,13 +89,22 @@ for slug, port in PROVIDERS.items():
 r = sh("providerctl reload && systemctl start " + " ".join(f"provider@{s}.socket" for s in PROVIDERS))
 print(json.dumps({"check": "reload", "rc": r.returncode, "out": r.stdout, "err": r.stderr}), flush=True)
 
+MARKS = ("Starting provider", "Started provider", "Asked for", "Not asking", "Failed to ask",
+         "Starting worker", "Started the model", "bench-model", "Worker ready")
+
+def steps(slug, cursor):  # the round's journal lines that mark its steps
+    log = sh(f"journalctl -q -o short-monotonic --after-cursor='{cursor}' "
+             f"-u provider@{slug}.service -u provider-worker@{slug}.service").stdout
+    lines = [l for l in log.splitlines() if any(m in l for m in MARKS)]
+    return lines[:14]
+
 def one(slug, port):
     c = cursor()
     r = sh(f"python3 {LIB}/client.py 1 {port} {slug} {LIB}/model.py {LOAD}")
     rounds = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
     if not rounds:
         return {"error": r.stderr[-2000:]}
-    return {**rounds[0], "stamps": stamps(slug, c)}
+    return {**rounds[0], "stamps": stamps(slug, c), "steps": steps(slug, c)}
 
 for slug, port in PROVIDERS.items():
     one(slug, port)  # warm-up: page cache, bytecode
@@ -209,8 +218,10 @@ def main() -> int:
             f"{slug} CPU: worker unit beyond the model's own {statistics.median(c[0] for c in cs):.1f} ms, "
             f"front unit {statistics.median(c[1] for c in cs):.1f} ms (medians; cgroup CPUUsageNSec)"
         )
-    out.append(f"VM boot and payload {boot.vm_s:.0f} s; last rounds' journal (monotonic s):")
-    out += [f"  {line}" for line in done["journal"].splitlines()[-24:]]
+    out.append(f"VM boot and payload {boot.vm_s:.0f} s; each provider's last round (monotonic s):")
+    for slug in PROVIDERS:
+        last = boot.checks.get(f"round-{args.rounds}-{slug}") or {}
+        out += [f"  {line}" for line in last.get("steps", [])]
     text = "\n".join(out) + "\n"
     print(text, end="")
     if not args.no_write and finished:
