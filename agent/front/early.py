@@ -54,10 +54,15 @@ class Started:
     # GPU's admission, worker.env), the bus (connection, DeviceAllow=, StartUnit).
     took_ms: float = 0.0
     parts_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    set_devices: bool = False  # DeviceAllow= had to change (SetUnitProperties: polkit)
 
     def describe(self) -> str:
         m, d, b = self.parts_ms
-        return f"{self.took_ms:.1f} ms into the front: manifest {m:.1f}, decision {d:.1f}, bus {b:.1f} ms"
+        what = ", DeviceAllow= set" if self.set_devices else ""
+        return (
+            f"{self.took_ms:.1f} ms into the front: manifest {m:.1f}, decision {d:.1f}, "
+            f"bus {b:.1f} ms{what}"
+        )
 
 
 def free_port() -> int:
@@ -145,7 +150,7 @@ def _begin(slug: str, early: Early, began: float) -> None:
 
         write_atomic(paths.worker_env_file(slug), env_file_text(env))
         decided = time.perf_counter()
-        job = _start(worker_unit(slug), devices)
+        job, set_devices = _start(worker_unit(slug), devices)
     except Exception as e:
         if admitted is not None:
             admitted.release()
@@ -155,7 +160,8 @@ def _begin(slug: str, early: Early, began: float) -> None:
         return
     done = time.perf_counter()
     parts = ((loaded - began) * 1000, (decided - loaded) * 1000, (done - decided) * 1000)
-    early.start = Started(job, port, env, devices, admitted, (done - began) * 1000, parts)
+    took = (done - began) * 1000
+    early.start = Started(job, port, env, devices, admitted, took, parts, set_devices)
 
 
 def _admit(provider: Provider, early: Early) -> Any:
@@ -180,11 +186,13 @@ def _admit(provider: Provider, early: Early) -> Any:
     return admitted
 
 
-def _start(unit: str, devices: list[tuple[str, str]] | None) -> str:
-    """`DeviceAllow=` set when it must change, then StartUnit: the job's path."""
+def _start(unit: str, devices: list[tuple[str, str]] | None) -> tuple[str, bool]:
+    """`DeviceAllow=` set when it must change, then StartUnit: the job's path, and whether
+    the device rules were set."""
     from agent.systemd.syncbus import PROPERTIES, SyncBus, Variant, unit_path
 
     bus = SyncBus()
+    changed = False
     try:
         if devices is not None:
             try:
@@ -201,7 +209,8 @@ def _start(unit: str, devices: list[tuple[str, str]] | None) -> str:
                 ]
                 args = (unit, True, props)
                 bus.call(SD, SD_PATH, SD + ".Manager", "SetUnitProperties", "sba(sv)", args)
+                changed = True
         (job,) = bus.call(SD, SD_PATH, SD + ".Manager", "StartUnit", "ss", (unit, "replace"))
-        return str(job)
+        return str(job), changed
     finally:
         bus.close()

@@ -90,7 +90,8 @@ def test_a_gpu_start_is_decided_written_and_asked_for(host: Path) -> None:
     bus.thread.join(5)
     assert got.start is not None, got.notes
     start = got.start
-    assert start.job == JOB and start.admitted is not None
+    assert start.job == JOB and start.admitted is not None and start.set_devices
+    assert "DeviceAllow= set" in start.describe()
     # The card with the most free memory (both equal: the first), its device rules, set
     # (the unit had none) before StartUnit, all on one connection.
     assert [m.member for m in bus.calls] == ["Hello", "Get", "SetUnitProperties", "StartUnit"]
@@ -117,6 +118,7 @@ def test_device_rules_already_right_are_not_set_again(host: Path) -> None:
     bus.thread.join(5)
     assert got.start is not None, got.notes
     assert [m.member for m in bus.calls] == ["Hello", "Get", "StartUnit"]
+    assert not got.start.set_devices
 
 
 def test_a_refused_start_undoes_the_reservation_and_leaves_the_start_to_the_front(
