@@ -16,6 +16,7 @@ to the front's own start, which then does everything as before. It never raises.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -38,7 +39,14 @@ class Early:
     nvml: Any = None  # agent.gpu.nvml.Nvml, opened for admission: the front keeps using it
     headroom_bytes: int | None = None  # providerd.toml's, once read (`gpu_read`)
     gpu_read: bool = False
-    notes: list[tuple[str, str]] = field(default_factory=list)  # (level, message) to log
+    # What was logged on the way, for the handlers `agent.log.setup()` installs later.
+    records: list[logging.LogRecord] = field(default_factory=list)
+
+    def replay(self) -> None:
+        """Hand the records kept on the way to the handlers there are now."""
+        records, self.records = self.records, []
+        for record in records:
+            logging.getLogger(record.name).handle(record)
 
 
 @dataclass(frozen=True)
@@ -101,21 +109,46 @@ def gpu_headroom() -> tuple[int | None, list[str]]:
         return None, [f"{problem}; using the default GPU headroom" for problem in e.problems]
 
 
+class _Held(logging.Handler):
+    """Keeps what is logged before logging is set up: `agent.log.setup()` imports the
+    journal's module, which is not worth its time on the way to StartUnit."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 def begin(argv: Sequence[str]) -> Early:
     """Decide the worker's start and ask for it, if this front may do so at once."""
     began = time.perf_counter()
     early = Early()
     if len(argv) != 1:
         return early
+    held = _Held()
+    root = logging.getLogger()
+    own = [logging.getLogger(name) for name in ("providerd", "agent")]  # as agent.log's
+    levels = [logger.level for logger in own]
+    root.addHandler(held)
+    for logger in own:
+        logger.setLevel(logging.INFO)
+    log = logging.getLogger(f"providerd.{argv[0]}")
     try:
-        _begin(argv[0], early, began)
+        _begin(argv[0], early, began, log)
     except Exception as e:  # a bug: the front's own start does it all, and says what failed
         early.start = None
-        early.notes.append(("error", f"Failed to ask for the worker's start early: {e!r}"))
+        log.error("Failed to ask for the worker's start first: %r", e, exc_info=e)
+    finally:
+        root.removeHandler(held)
+        for logger, level in zip(own, levels, strict=True):
+            logger.setLevel(level)
+        early.records = held.records
     return early
 
 
-def _begin(slug: str, early: Early, began: float) -> None:
+def _begin(slug: str, early: Early, began: float, log: logging.Logger) -> None:
     from agent.spec import apikeys, paths
     from agent.spec.manifest import ManifestError
     from agent.systemd.manifests import load
@@ -138,7 +171,7 @@ def _begin(slug: str, early: Early, began: float) -> None:
     devices: list[tuple[str, str]] | None = None
     admitted = None
     if provider.uses_gpu:
-        admitted = _admit(provider, early)
+        admitted = _admit(provider, early, log)
         if admitted is None:
             return
         from agent.gpu.placement import device_allow, worker_env
@@ -154,25 +187,25 @@ def _begin(slug: str, early: Early, began: float) -> None:
     except Exception as e:
         if admitted is not None:
             admitted.release()
-        early.notes.append(
-            ("info", f"Failed to ask for the worker's start first: {e}; asking again")
-        )
+        log.info("Failed to ask for the worker's start first: %s; asking again", e)
         return
     done = time.perf_counter()
     parts = ((loaded - began) * 1000, (decided - loaded) * 1000, (done - decided) * 1000)
     took = (done - began) * 1000
     early.start = Started(job, port, env, devices, admitted, took, parts, set_devices)
+    log.info("Asked for the worker's start first, %s", early.start.describe())
 
 
-def _admit(provider: Provider, early: Early) -> Any:
-    """GPU admission at once, or None (and a note why not)."""
+def _admit(provider: Provider, early: Early, log: logging.Logger) -> Any:
+    """GPU admission at once, or None (and a line why not)."""
     from agent.gpu.footprint import Footprints
     from agent.gpu.nvml import NvmlUnavailable, open_nvml
     from agent.gpu.quick import admit_now
 
     early.headroom_bytes, problems = gpu_headroom()
     early.gpu_read = True
-    early.notes += [("warning", p) for p in problems]
+    for problem in problems:
+        log.warning("%s", problem)
     try:
         early.nvml = open_nvml()
         admitted = admit_now(
@@ -182,7 +215,7 @@ def _admit(provider: Provider, early: Early) -> Any:
         return None  # the front's own admission reports it
     if admitted is None:
         why = "waits for another front's admission or must make room on the GPU"
-        early.notes.append(("info", f"Not asking for the worker's start first: admission {why}"))
+        log.info("Not asking for the worker's start first: admission %s", why)
     return admitted
 
 

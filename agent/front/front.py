@@ -801,8 +801,7 @@ async def run_systemd(slug: str, early: Early | None = None) -> int:
 
     log = logging.getLogger(f"providerd.{slug}")
     early = early or Early()
-    for level, note in early.notes:
-        getattr(log, level)("%s", note)
+    early.replay()
     try:
         provider = early.provider or load(slug)
     except ManifestError as e:
@@ -816,7 +815,6 @@ async def run_systemd(slug: str, early: Early | None = None) -> int:
     await bus.connect()
     if early.start is not None:
         bus.adopt(worker_unit(slug), early.start.job)
-        log.info("Asked for the worker's start first, %s", early.start.describe())
     backoff_file = paths.backoff_file(slug)
     keys = apikeys.load()  # the credential providerd-keys, while the keys file exists
     apikeys.report(keys, log)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,10 @@ def add(host: Path, slug: str, text: str) -> None:
     f.chmod(0o644)
 
 
+def said(got: early.Early) -> list[str]:
+    return [r.getMessage() for r in got.records]
+
+
 def systemd(device_allow: list[list[str]] | None = None, start_error: str = "") -> Any:
     """PID 1 as the early start meets it; `device_allow`: the unit's rules now."""
 
@@ -88,7 +93,7 @@ def test_a_gpu_start_is_decided_written_and_asked_for(host: Path) -> None:
     bus = FakeBus(host / "bus", systemd())
     got = early.begin(["g"])
     bus.thread.join(5)
-    assert got.start is not None, got.notes
+    assert got.start is not None, said(got)
     start = got.start
     assert start.job == JOB and start.admitted is not None and start.set_devices
     assert "DeviceAllow= set" in start.describe()
@@ -116,7 +121,7 @@ def test_device_rules_already_right_are_not_set_again(host: Path) -> None:
     bus = FakeBus(host / "bus", systemd(device_allow=wanted))
     got = early.begin(["g"])
     bus.thread.join(5)
-    assert got.start is not None, got.notes
+    assert got.start is not None, said(got)
     assert [m.member for m in bus.calls] == ["Hello", "Get", "StartUnit"]
     assert not got.start.set_devices
 
@@ -130,7 +135,7 @@ def test_a_refused_start_undoes_the_reservation_and_leaves_the_start_to_the_fron
     bus.thread.join(5)
     assert got.start is None and got.provider is not None
     assert read_reservations(host / "run") == []
-    assert any("not allowed" in note for _level, note in got.notes), got.notes
+    assert any("not allowed" in line for line in said(got)), said(got)
     assert got.nvml is not None  # the front's admission goes on with it
 
 
@@ -291,3 +296,28 @@ def test_a_job_over_before_subscribe_leaves_the_outcome_to_the_units_state() -> 
         return first, second
 
     assert asyncio.run(go()) == ("done", "done")
+
+
+def test_what_it_logs_waits_for_the_fronts_logging_with_its_logger(
+    host: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    add(host, "g", GPU)
+    (host / "state" / "footprints").mkdir(parents=True)
+    (host / "state" / "footprints" / "g.json").write_text("{ not json")
+    bus = FakeBus(host / "bus", systemd())
+    handlers = list(logging.getLogger().handlers)
+    got = early.begin(["g"])
+    bus.thread.join(5)
+    assert logging.getLogger().handlers == handlers  # nothing of its own left behind
+    by = {(r.name, r.levelno) for r in got.records}
+    assert ("agent.gpu.footprint", logging.WARNING) in by
+    assert ("providerd.g", logging.INFO) in by
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        got.replay()
+    assert got.records == []
+    assert any(
+        r.name == "agent.gpu.footprint" and "VRAM footprint" in r.getMessage()
+        for r in caplog.records
+    )
+    assert any("Asked for the worker's start first" in r.getMessage() for r in caplog.records)
