@@ -195,9 +195,8 @@ class Front:
         self.generation = 0
         # The worker's port: fixed, or 0 to pick a free one at each start (foreground mode).
         self.worker_port = provider.worker_port if worker_port is None else worker_port
-        self.first_port: int | None = (
-            None  # the port of a start asked for early (agent.front.early)
-        )
+        # The port of the start asked for before this front's own start (agent.front.early).
+        self.first_port: int | None = None
         # A host-network worker listens on its own loopback address (units.worker_loopback).
         self.worker_host = worker_host(provider)
         self.address = Address(self.worker_host, self.worker_port)
