@@ -232,7 +232,8 @@ def _start(unit: str, devices: list[tuple[str, str]] | None) -> tuple[str, bool]
                 (current,) = bus.call(
                     SD, unit_path(unit), PROPERTIES, "Get", "ss", (SD + ".Service", "DeviceAllow")
                 )
-                same = [tuple(r) for r in current.value] == [tuple(r) for r in devices]
+                # A set of rules: PID 1 gives them back in its own order (newest first).
+                same = {tuple(r) for r in current.value} == {tuple(r) for r in devices}
             except Exception:  # the bus says nothing useful: set them
                 same = False
             if not same:

@@ -117,7 +117,8 @@ def test_device_rules_already_right_are_not_set_again(host: Path) -> None:
     add(host, "g", GPU)
     card = FakeCard(0, "GPU-a", 16 * GIB)
     nvml = FakeNvml([card])
-    wanted = [list(r) for r in device_allow(Placement(tuple(nvml.cards())))]
+    # As PID 1 gives them back: newest first, the reverse of the order they were set in.
+    wanted = [list(r) for r in reversed(device_allow(Placement(tuple(nvml.cards()))))]
     bus = FakeBus(host / "bus", systemd(device_allow=wanted))
     got = early.begin(["g"])
     bus.thread.join(5)
