@@ -163,10 +163,10 @@ def _begin(slug: str, early: Early, began: float, log: logging.Logger) -> None:
     if apikeys.keys_on() or os.path.lexists(paths.backoff_file(slug)):
         return  # a request whose key may start it decides; the saved backoff may refuse
     from agent.systemd.names import worker_unit
-    from agent.systemd.units import worker_loopback
+    from agent.systemd.units import worker_host
 
     port = provider.known_worker_port or free_port()
-    host = worker_loopback(slug) if provider.network == "host" else "127.0.0.1"
+    host = worker_host(provider)
     gpu_env: dict[str, str] = {}
     devices: list[tuple[str, str]] | None = None
     admitted = None
