@@ -222,7 +222,13 @@ def _admit(provider: Provider, early: Early, log: logging.Logger) -> Any:
 def _start(unit: str, devices: list[tuple[str, str]] | None) -> tuple[str, bool]:
     """`DeviceAllow=` set when it must change, then StartUnit: the job's path, and whether
     the device rules were set."""
-    from agent.systemd.syncbus import PROPERTIES, SyncBus, Variant, unit_path
+    from agent.systemd.syncbus import (
+        PROPERTIES,
+        SyncBus,
+        Variant,
+        same_device_rules,
+        unit_path,
+    )
 
     bus = SyncBus()
     changed = False
@@ -232,8 +238,7 @@ def _start(unit: str, devices: list[tuple[str, str]] | None) -> tuple[str, bool]
                 (current,) = bus.call(
                     SD, unit_path(unit), PROPERTIES, "Get", "ss", (SD + ".Service", "DeviceAllow")
                 )
-                # A set of rules: PID 1 gives them back in its own order (newest first).
-                same = {tuple(r) for r in current.value} == {tuple(r) for r in devices}
+                same = same_device_rules(current.value, devices)
             except Exception:  # the bus says nothing useful: set them
                 same = False
             if not same:

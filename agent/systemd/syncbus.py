@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from agent.errors import ProviderdError
@@ -378,3 +379,11 @@ class SyncBus:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def same_device_rules(current: object, wanted: Sequence[tuple[str, str]]) -> bool:
+    """Whether a unit's `DeviceAllow=` as the bus gives it (a list of (path, access)) is
+    `wanted`: a set of rules, which PID 1 gives back in its own order (newest first)."""
+    if not isinstance(current, list):
+        return False
+    return {tuple(rule) for rule in current} == {tuple(rule) for rule in wanted}

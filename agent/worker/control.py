@@ -35,6 +35,7 @@ from agent.spec.files import write_atomic
 from agent.spec.provider import Address, Ready
 from agent.systemd.bus import Systemd
 from agent.systemd.names import worker_unit
+from agent.systemd.syncbus import same_device_rules
 from agent.worker import wrapper as worker
 from agent.worker.readiness import until_answers
 
@@ -262,9 +263,7 @@ class SystemdWorker:
             current = await self.systemd.get(self.unit, "Service", "DeviceAllow")
         except Exception:  # the bus says nothing useful: set them
             return False
-        if not isinstance(current, list):
-            return False
-        return [tuple(rule) for rule in current] == [tuple(rule) for rule in devices]
+        return same_device_rules(current, devices)
 
     def _probe(self, env: Mapping[str, str]) -> asyncio.Future[None] | None:
         """The front's own probe of the model (where its readiness can be probed)."""

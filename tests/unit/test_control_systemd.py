@@ -95,6 +95,17 @@ def test_device_rules_already_in_place_are_not_set_again() -> None:
     ]
 
 
+def test_device_rules_in_pid1s_own_order_are_the_same_rules() -> None:
+    """PID 1 gives DeviceAllow= back newest first: the same rules in another order are
+    not set again."""
+    fake = FakeSystemd()
+    worker = make(fake)
+    rules = [("/dev/nvidiactl", "rw"), ("/dev/nvidia0", "rw")]
+    fake.unit(UNIT).properties["DeviceAllow"] = rules[::-1]
+    asyncio.run(worker.start({}, rules))
+    assert not [c for c in fake.calls if c[0] == "set-property"]
+
+
 def test_crash_after_ready_is_reported_once_with_reason() -> None:
     fake = FakeSystemd()
     worker = make(fake)
