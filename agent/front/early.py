@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.errors import ProviderdError
 from agent.spec.provider import Provider
 
 SD = "org.freedesktop.systemd1"
@@ -53,7 +54,7 @@ class Early:
 class Started:
     """A start asked for: its job, and what the front's start task needs to follow it."""
 
-    job: str  # the start job's object path
+    job: str  # the start job's object path; "" when StartUnit went out with no answer
     port: int
     env: dict[str, str]  # as written to worker.env
     devices: list[tuple[str, str]] | None
@@ -88,15 +89,6 @@ def worker_environment(port: int, host: str, gpu_env: Mapping[str, str]) -> dict
     if host != "127.0.0.1":
         env["PROVIDERD_WORKER_HOST"] = host
     return env
-
-
-def env_file_text(env: Mapping[str, str]) -> str:
-    """An EnvironmentFile='s text, as `agent.worker.control.write_env_file` writes it."""
-    lines = []
-    for key, value in env.items():
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
-        lines.append(f'{key}="{escaped}"\n')
-    return "".join(lines)
 
 
 def gpu_headroom() -> tuple[int | None, list[str]]:
@@ -174,16 +166,25 @@ def _begin(slug: str, early: Early, began: float, log: logging.Logger) -> None:
         admitted = _admit(provider, early, log)
         if admitted is None:
             return
-        from agent.gpu.placement import device_allow, worker_env
-
-        gpu_env, devices = worker_env(admitted.placement), device_allow(admitted.placement)
-    env = worker_environment(port, host, gpu_env)
+    decided = time.perf_counter()
     try:
-        from agent.atomic import write_atomic
+        if admitted is not None:
+            from agent.gpu.placement import device_allow, worker_env
 
-        write_atomic(paths.worker_env_file(slug), env_file_text(env))
+            gpu_env, devices = worker_env(admitted.placement), device_allow(admitted.placement)
+        env = worker_environment(port, host, gpu_env)
+        from agent.atomic import write_atomic
+        from agent.systemd.quoting import environment_file
+
+        write_atomic(paths.worker_env_file(slug), environment_file(env))
         decided = time.perf_counter()
         job, set_devices = _start(worker_unit(slug), devices)
+    except _Unanswered as e:
+        # PID 1 may have taken the start: the front's own start keeps this decision (the
+        # port, the card and its reservation), so its StartUnit joins the same job.
+        log.info("Asked for the worker's start first, with no answer (%s); following it", e)
+        early.start = Started("", port, env, devices, admitted)
+        return
     except Exception as e:
         if admitted is not None:
             admitted.release()
@@ -224,6 +225,7 @@ def _start(unit: str, devices: list[tuple[str, str]] | None) -> tuple[str, bool]
     the device rules were set."""
     from agent.systemd.syncbus import (
         PROPERTIES,
+        BusError,
         SyncBus,
         Variant,
         same_device_rules,
@@ -249,7 +251,20 @@ def _start(unit: str, devices: list[tuple[str, str]] | None) -> tuple[str, bool]
                 args = (unit, True, props)
                 bus.call(SD, SD_PATH, SD + ".Manager", "SetUnitProperties", "sba(sv)", args)
                 changed = True
-        (job,) = bus.call(SD, SD_PATH, SD + ".Manager", "StartUnit", "ss", (unit, "replace"))
+        try:
+            (job,) = bus.call(SD, SD_PATH, SD + ".Manager", "StartUnit", "ss", (unit, "replace"))
+        except BusError as e:
+            if e.name:  # PID 1 (or polkit) answered no
+                raise
+            raise _Unanswered(str(e)) from None
+        except OSError as e:
+            raise _Unanswered(str(e)) from None
         return str(job), changed
     finally:
         bus.close()
+
+
+class _Unanswered(ProviderdError):
+    """StartUnit went out and no answer came back (the bus failed or timed out)."""
+
+    code = "start_unanswered"

@@ -812,7 +812,7 @@ async def run_systemd(slug: str, early: Early | None = None) -> int:
     listeners = inherited_listeners()
     bus = DbusSystemd()
     await bus.connect()
-    if early.start is not None:
+    if early.start is not None and early.start.job:
         bus.adopt(worker_unit(slug), early.start.job)
     backoff_file = paths.backoff_file(slug)
     keys = apikeys.load()  # the credential providerd-keys, while the keys file exists

@@ -9,6 +9,7 @@ the manifest's checks let through. `exec_word`, `environment_assignment` and
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from agent.errors import ProviderdError
@@ -137,3 +138,12 @@ def one_line(text: str) -> str:
 
 def seconds(value: float) -> str:
     return f"{int(value)}s" if float(value).is_integer() else f"{value:g}s"
+
+
+def environment_file(env: Mapping[str, str]) -> str:
+    """An EnvironmentFile='s text: each value double-quoted, `\\`, `"` and `$` escaped."""
+    lines = []
+    for key, value in env.items():
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
+        lines.append(f'{key}="{escaped}"\n')
+    return "".join(lines)

@@ -35,6 +35,7 @@ from agent.spec.files import write_atomic
 from agent.spec.provider import Address, Ready
 from agent.systemd.bus import Systemd
 from agent.systemd.names import worker_unit
+from agent.systemd.quoting import environment_file
 from agent.systemd.syncbus import same_device_rules
 from agent.worker import wrapper as worker
 from agent.worker.readiness import until_answers
@@ -82,11 +83,7 @@ class WorkerControl(Protocol):
 
 def write_env_file(path: Path, env: Mapping[str, str]) -> None:
     """Write an EnvironmentFile= atomically (temp + rename)."""
-    lines = []
-    for key, value in env.items():
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
-        lines.append(f'{key}="{escaped}"\n')
-    write_atomic(path, "".join(lines))
+    write_atomic(path, environment_file(env))
 
 
 # ---------------------------------------------------------------------------- systemd

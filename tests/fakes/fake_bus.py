@@ -16,10 +16,13 @@ from dbus_next.message import Message
 
 class FakeBus:
     """A bus daemon's side of one connection: SASL EXTERNAL, then dbus-next's own reading
-    and writing of messages; `answer(message)` gives the replies to send for each call."""
+    and writing of messages; `answer(message)` gives the replies to send for each call (None: close the connection)."""
 
     def __init__(
-        self, path: Path, answer: Callable[[Message], list[Message]], auth: bytes = b"OK 1234\r\n"
+        self,
+        path: Path,
+        answer: Callable[[Message], list[Message] | None],
+        auth: bytes = b"OK 1234\r\n",
     ) -> None:
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.server.bind(str(path))
@@ -58,7 +61,10 @@ class FakeBus:
             if message is None:
                 return
             self.calls.append(message)
-            for out in self.answer(message):
+            replies = self.answer(message)
+            if replies is None:  # the bus goes away without answering
+                return
+            for out in replies:
                 serial += 1
                 out.serial = serial
                 conn.sendall(bytes(out._marshall()))

@@ -24,7 +24,6 @@ from agent.gpu.quick import admit_now
 from agent.gpu.reservations import Reservation, read_reservations
 from agent.spec.provider import Provider
 from agent.systemd.bus import DbusSystemd
-from agent.worker.control import write_env_file
 from tests.fakes.fake_bus import FakeBus
 
 JOB = "/org/freedesktop/systemd1/job/99"
@@ -69,7 +68,9 @@ def said(got: early.Early) -> list[str]:
     return [r.getMessage() for r in got.records]
 
 
-def systemd(device_allow: list[list[str]] | None = None, start_error: str = "") -> Any:
+def systemd(
+    device_allow: list[list[str]] | None = None, start_error: str = "", start_lost: bool = False
+) -> Any:
     """PID 1 as the early start meets it; `device_allow`: the unit's rules now."""
 
     def answer(m: Message) -> list[Message]:
@@ -79,6 +80,8 @@ def systemd(device_allow: list[list[str]] | None = None, start_error: str = "") 
             return [Message.new_method_return(m, "v", [DVariant("a(ss)", device_allow or [])])]
         if m.member == "SetUnitProperties":
             return [Message.new_method_return(m)]
+        if m.member == "StartUnit" and start_lost:
+            return None  # taken, perhaps, but the answer never comes
         if m.member == "StartUnit" and start_error:
             return [Message.new_error(m, "org.freedesktop.DBus.Error.AccessDenied", start_error)]
         if m.member == "StartUnit":
@@ -140,6 +143,21 @@ def test_a_refused_start_undoes_the_reservation_and_leaves_the_start_to_the_fron
     assert got.nvml is not None  # the front's admission goes on with it
 
 
+def test_a_start_asked_for_with_no_answer_keeps_its_decision_for_the_front(host: Path) -> None:
+    """PID 1 may have taken a StartUnit whose answer never came: the front's own start must
+    ask again with the same port and card (its StartUnit joins that job), not pick anew."""
+    add(host, "g", GPU)
+    bus = FakeBus(host / "bus", systemd(start_lost=True))
+    got = early.begin(["g"])
+    bus.thread.join(5)
+    assert got.start is not None and got.start.job == "", said(got)
+    assert got.start.admitted is not None
+    (r,) = read_reservations(host / "run")  # kept, for the front's own start
+    assert r.slug == "g"
+    env = (host / "run" / "g" / "worker.env").read_text()
+    assert f'PROVIDERD_WORKER_PORT="{got.start.port}"' in env
+
+
 def test_a_host_network_provider_gets_a_port_of_its_own_and_its_loopback(host: Path) -> None:
     add(host, "h", HOST)
     bus = FakeBus(host / "bus", systemd())
@@ -182,12 +200,6 @@ def test_what_it_leaves_to_the_front(host: Path, why: str) -> None:
     assert not (host / "run" / slug / "worker.env").exists()
     assert [r.slug for r in read_reservations(host / "run")] == (["other"] if why == "full" else [])
     assert (got.provider is None) == (why in ("manifest", "argv"))
-
-
-def test_the_env_file_is_the_one_the_worker_control_writes(tmp_path: Path) -> None:
-    env = {"PROVIDERD_WORKER_PORT": "4242", "X": 'a "b" $c \\ d', "CUDA_VISIBLE_DEVICES": "GPU-1"}
-    write_env_file(tmp_path / "w.env", env)
-    assert early.env_file_text(env) == (tmp_path / "w.env").read_text()
 
 
 def gpu(slug: str, budget_gib: float) -> Provider:
