@@ -82,12 +82,11 @@ def _type_end(sig: str, i: int) -> int:
 
 
 class _Writer:
-    def __init__(self, start: int = 0) -> None:
-        self.buf = bytearray()
-        self.start = start  # the offset of buf[0] in the message, for alignment
+    def __init__(self) -> None:
+        self.buf = bytearray()  # from the message's first byte: alignment counts from there
 
     def align(self, n: int) -> None:
-        pad = -(self.start + len(self.buf)) % n
+        pad = -len(self.buf) % n
         self.buf += b"\0" * pad
 
     def write(self, sig: str, value: Any) -> None:
