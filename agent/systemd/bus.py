@@ -107,12 +107,17 @@ class DbusSystemd:
         else:
             self._finished[job] = result
 
-    async def _wait_job(self, job: str) -> str:
-        if job in self._finished:
-            return self._finished.pop(job)
+    def _expect(self, job: str) -> asyncio.Future[str]:
+        """`job`'s result from its JobRemoved: already done if that came first."""
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._waiting[job] = future
-        return await future
+        if job in self._finished:
+            future.set_result(self._finished.pop(job))
+        else:
+            self._waiting[job] = future
+        return future
+
+    async def _wait_job(self, job: str) -> str:
+        return await self._expect(job)
 
     async def _unit(self, name: str) -> Any:
         unit = self._units.get(name)
@@ -140,10 +145,9 @@ class DbusSystemd:
         `Subscribe()` on (`connect`); one sent before was not ours to see, so: when the unit
         no longer runs `job`, the job is over, and "done" lets the caller read the unit's
         state as for any finished start (active, or why not)."""
-        if job in self._finished:
-            return self._finished.pop(job)
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._waiting[job] = future
+        future = self._expect(job)
+        if future.done():
+            return future.result()
         try:
             current = await self.get(name, "Unit", "Job")  # (id, path); (0, "/") for none
         except BaseException:
