@@ -32,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from agent.systemd.names import worker_unit  # noqa: E402
 from tests.system.nspawn import Container, base_tarball, installed  # noqa: E402
 from tests.system.soak import MODEL  # noqa: E402
 
@@ -42,10 +43,17 @@ STAMP = (
     "import sys as _s, time as _t; print('bench-model {} %.6f %.6f' % (_t.monotonic(), "
     "_t.process_time()), file=_s.stderr, flush=True)\n"
 )
+# The first connection it accepts is the front's readiness probe (the bench's client comes
+# after the front saw the model answer).
+ACCEPTED = (
+    "    if not globals().get('_accepted'):\n"
+    "        _accepted = 1; print('bench-model accepted %.6f' % _t.monotonic(), file=_s.stderr, "
+    "flush=True)\n"
+)
 STAMPED_MODEL = STAMP.format("started") + MODEL.replace(
     "s.listen(1024)\n", "s.listen(1024)\n" + STAMP.format("listens")
-)
-assert STAMPED_MODEL.count("bench-model") == 2
+).replace("    c, _ = s.accept()\n", "    c, _ = s.accept()\n" + ACCEPTED)
+assert STAMPED_MODEL.count("bench-model") == 3
 LIB = "/usr/local/lib/providerd-bench"
 SLUG = "coldbench"
 PORT = 18300
@@ -180,17 +188,58 @@ def breakdown(ct: Container, since: str) -> list[str]:
     return [line for line in lines if "Stopp" not in line and "Deactivated" not in line][:12]
 
 
-def model_stamps(ct: Container, since: str) -> list[tuple[float, float, float]]:
-    """(started, listens, its CPU seconds by then) of each cold start's model since `since`."""
-    log = ct.journal(f"-u provider-worker@{SLUG}.service", since=since)
-    started: list[float] = []
-    out: list[tuple[float, float, float]] = []
-    for line in log.splitlines():
-        if line.startswith("bench-model started "):
-            started.append(float(line.split()[2]))
-        elif line.startswith("bench-model listens ") and started:
-            out.append((started.pop(), float(line.split()[2]), float(line.split()[3])))
-            started.clear()
+def model_stamps(ct: Container, since: str) -> list[dict[str, float]]:
+    """Each cold start since `since`, in CLOCK_MONOTONIC seconds: PID 1's "Starting" of the
+    worker unit (logged once the unit's process is forked and in its cgroup), its "Started"
+    (for Type=exec: the model's program runs), and the model's own stamps: its first line
+    ("started", with its CPU seconds by then), "listens", and its first accepted connection
+    ("accepted": the front's readiness probe)."""
+    out = ct.sh(
+        f"journalctl -q --no-pager -o json --after-cursor='{since}' -u {worker_unit(SLUG)}",
+        check=False,
+    ).out
+    rounds: list[dict[str, float]] = []
+    for line in out.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        message = entry.get("MESSAGE")
+        if not isinstance(message, str):
+            continue
+        logged = int(entry.get("__MONOTONIC_TIMESTAMP", 0)) / 1e6
+        if message.startswith(f"Starting {worker_unit(SLUG)}"):
+            rounds.append({"unit": logged})
+        elif not rounds:
+            continue
+        elif message.startswith(f"Started {worker_unit(SLUG)}"):
+            rounds[-1].setdefault("exec", logged)
+        elif message.startswith("bench-model "):
+            word, when, *cpu = message.split()[1:]
+            rounds[-1].setdefault(word, float(when))
+            if cpu:
+                rounds[-1].setdefault(f"{word} cpu", float(cpu[0]))
+    return [r for r in rounds if {"started", "listens"} <= r.keys()]
+
+
+COLUMNS = ("to unit", "set-up", "to line", "model", "probe", "relay", "cpu")
+
+
+def breakdown_of(st: dict[str, float], t0: float, end: float) -> dict[str, float]:
+    """One round's parts in ms, from its stamps (`model_stamps`), the connection at `t0`
+    and the first response byte at `end`; a part whose stamps are missing is left out."""
+    marks = [("unit", "to unit"), ("exec", "set-up"), ("started", "to line")]
+    marks += [("listens", "model"), ("accepted", "probe")]
+    at = {"connection": t0, **st}
+    out: dict[str, float] = {}
+    for i, (key, column) in enumerate(marks):
+        before = marks[i - 1][0] if i else "connection"
+        if key in at and before in at:
+            out[column] = (at[key] - at[before]) * 1000
+    if "accepted" in st:
+        out["relay"] = (end - st["accepted"]) * 1000
+    if "started cpu" in st:
+        out["cpu"] = st["started cpu"] * 1000
     return out
 
 
@@ -273,41 +322,51 @@ def main() -> int:
         f"Cold start under systemd ({version}), container tier, model load {args.load:g} s, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}{extra}",
         f"{'round':>5} {'direct ms':>10} {'cold ms':>9} {'added ms':>9}"
-        f"  {'to model':>8} {'model':>7} {'after':>6}",
+        + "".join(f" {c:>{max(6, len(c))}}" for c in COLUMNS),
     ]
     added: dict[str, list[float]] = {}
-    parts: dict[str, list[tuple[float, float, float]]] = {}
+    parts: dict[str, list[dict[str, float]]] = {}
     cpus: dict[str, list[tuple[float, float]]] = {}
     for n, x in enumerate(rounds):
         a = (x["cold"] - x["direct"]) * 1000
         variant = str(x.get("variant", ""))
         added.setdefault(variant, []).append(a)
         split = ""
-        if n < len(stamps):  # from the model's own stamps: where the cold round's time went
-            started, listens, model_cpu = stamps[n]
+        if n < len(stamps):  # PID 1's and the model's own stamps: where the time went
+            st = stamps[n]
             worker_cpu, front_cpu = (x.get("cpu") or [None, None])[:2]
-            if worker_cpu is not None and front_cpu is not None:
+            if worker_cpu is not None and front_cpu is not None and "listens cpu" in st:
                 cpus.setdefault(variant, []).append(
-                    ((worker_cpu - model_cpu) * 1000, front_cpu * 1000)
+                    ((worker_cpu - st["listens cpu"]) * 1000, front_cpu * 1000)
                 )
-            t0, end = x["t0"], x["t0"] + x["cold"]
-            p = ((started - t0) * 1000, (listens - started) * 1000, (end - listens) * 1000)
+            p = breakdown_of(st, x["t0"], x["t0"] + x["cold"])
             parts.setdefault(variant, []).append(p)
-            split = f"  {p[0]:>8.1f} {p[1]:>7.1f} {p[2]:>6.1f}"
+            split = "".join(
+                f" {p[c]:>{max(6, len(c))}.1f}" if c in p else f" {'-':>{max(6, len(c))}}"
+                for c in COLUMNS
+            )
         out.append(
             f"{x['round']:>5} {x['direct'] * 1000:>10.1f} {x['cold'] * 1000:>9.1f} {a:>9.1f}"
             + split
             + (f"  {variant}" if variant else "")
         )
-    out.append(
-        "to model: the connection → the model's first line; model: its first line → listening "
-        "(its own start, as in direct); after: listening → the client's first response byte"
-    )
+    out += [
+        "to unit: the connection → PID 1's 'Starting' of the worker (the transaction, the fork, "
+        "and the move into the unit's cgroup); set-up: → its 'Started' (a Type=exec worker: "
+        "its sandbox, then the model's exec); to line: → the model's first line (its "
+        "interpreter's start); model: → it listens (its own start, as in direct); probe: → it "
+        "accepts the front's readiness probe; relay: → the client's first response byte; "
+        "cpu: the model process's CPU at its first line, its sandbox's set-up included",
+    ]
     for variant, ps in parts.items():
-        medians = [statistics.median(p[i] for p in ps) for i in range(3)]
+        medians = {
+            c: statistics.median(p[c] for p in ps if c in p)
+            for c in COLUMNS
+            if any(c in p for p in ps)
+        }
         out.append(
-            f"medians{' (' + variant + ')' if variant else ''}: to model {medians[0]:.1f} ms, "
-            f"model {medians[1]:.1f} ms, after {medians[2]:.1f} ms"
+            f"medians{' (' + variant + ')' if variant else ''}: "
+            + ", ".join(f"{c} {v:.1f} ms" for c, v in medians.items())
         )
     for variant, cs in cpus.items():
         out.append(
