@@ -9,10 +9,13 @@ inside the container, interleaved:
 The added time is cold - direct, per round; the figure is the median (target ≤ 30 ms).
 Between rounds `providerctl stop` releases the provider, so every round is a real
 activation: socket → front (and worker) units → wrapper → model → readiness → proxy.
-After the rounds, the journal of the last one shows where the time went.
+Each round is split by PID 1's own stamps of the worker unit and the model's: the way to the
+unit's process in its cgroup, the unit's set-up (its sandbox), the interpreter's start, the
+model's own load, the front's probe and the relay; the last round's journal follows.
 
     python3 bench/bench_cold_systemd.py [--deb dist/providerd_0.1.0_all.deb] [--rounds N]
-                                        [--load S] [--keep]
+                                        [--load S] [--keep] [--decided]
+                                        [--worker-dropin TEXT | --warm-cgroups] [--ab]
 
 Needs root (systemd-nspawn) and the cached base tree of the container tier
 (tests/system/base-rootfs.sh builds it). Writes bench/results/cold_systemd.txt.
@@ -154,11 +157,30 @@ def manifest(load: float, decided: bool) -> str:
     )
 
 
+# --warm-cgroups: a process that moves itself between two cgroups every 4 ms. Moving a
+# process into a cgroup (PID 1 does it for each unit's process) first waits for an RCU grace
+# period, unless another move happened within the last one; this keeps that so, which is
+# what the cgroup2 mount option favordynmods does for good.
+WARM = """\
+import os, time
+root = next(l.split()[1] for l in open("/proc/mounts") if l.split()[2] == "cgroup2")
+groups = [f"{root}/bench-warm-{n}" for n in "ab"]
+for g in groups:
+    os.makedirs(g, exist_ok=True)
+while True:
+    for g in groups:
+        with open(f"{g}/cgroup.procs", "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(0.004)
+"""
+
+
 def prepare(c: Container) -> None:
     lib = c.root / LIB.lstrip("/")
     lib.mkdir(parents=True, exist_ok=True)
     (lib / "model.py").write_text(STAMPED_MODEL)
     (lib / "client.py").write_text(CLIENT)
+    (lib / "warm.py").write_text(WARM)
     for f in lib.iterdir():
         f.chmod(0o755)
     lib.chmod(0o755)
@@ -194,18 +216,21 @@ def model_stamps(ct: Container, since: str) -> list[dict[str, float]]:
     (for Type=exec: the model's program runs), and the model's own stamps: its first line
     ("started", with its CPU seconds by then), "listens", and its first accepted connection
     ("accepted": the front's readiness probe)."""
-    out = ct.sh(
-        f"journalctl -q --no-pager -o json --after-cursor='{since}' -u {worker_unit(SLUG)}",
-        check=False,
-    ).out
+    # Unfiltered, the unit's entries picked here: systemd 252's journalctl skips the first
+    # match after a cursor that does not match itself.
+    out = ct.sh(f"journalctl -q --no-pager -o json --after-cursor='{since}'", check=False).out
     rounds: list[dict[str, float]] = []
+    unit = worker_unit(SLUG)
     for line in out.splitlines():
         try:
             entry = json.loads(line)
         except ValueError:
             continue
         message = entry.get("MESSAGE")
-        if not isinstance(message, str):
+        if not isinstance(message, str) or unit not in (
+            entry.get("UNIT"),
+            entry.get("_SYSTEMD_UNIT"),
+        ):
             continue
         logged = int(entry.get("__MONOTONIC_TIMESTAMP", 0)) / 1e6
         if message.startswith(f"Starting {worker_unit(SLUG)}"):
@@ -263,13 +288,23 @@ def main() -> int:
         "(e.g. '[Service]\\nProtectKernelTunables=no')",
     )
     ap.add_argument(
+        "--warm-cgroups",
+        action="store_true",
+        help="keep a cgroup move under way every 4 ms during the rounds: no RCU grace period "
+        "before PID 1 moves a unit's process into its cgroup (what the cgroup2 mount option "
+        "favordynmods gives)",
+    )
+    ap.add_argument(
         "--ab",
         action="store_true",
-        help="with --worker-dropin: alternate rounds without and with it, in one container",
+        help="with --worker-dropin or --warm-cgroups: alternate rounds without and with it, "
+        "in one container",
     )
     args = ap.parse_args()
-    if args.ab and not args.worker_dropin:
-        ap.error("--ab needs --worker-dropin")
+    if args.ab and not (args.worker_dropin or args.warm_cgroups):
+        ap.error("--ab needs --worker-dropin or --warm-cgroups")
+    if args.ab and args.worker_dropin and args.warm_cgroups:
+        ap.error("--ab compares one change: --worker-dropin or --warm-cgroups")
     if os.geteuid() != 0:
         print("bench_cold_systemd: needs root (systemd-nspawn)", file=sys.stderr)
         return 2
@@ -290,11 +325,16 @@ def main() -> int:
                 ct.sh(f"rm -f {dropin}")
             ct.sh("systemctl daemon-reload")
 
-        def client(n: int) -> list[dict[str, float]]:
-            r = ct.sh(
-                f"python3 {LIB}/client.py {n} {PORT} {SLUG} {LIB}/model.py {args.load}",
-                timeout=60 + n * (args.load + 15),
-            )
+        def client(n: int, warm: bool = False) -> list[dict[str, float]]:
+            mover = ct.sh(f"python3 {LIB}/warm.py >/dev/null 2>&1 & echo $!").out if warm else ""
+            try:
+                r = ct.sh(
+                    f"python3 {LIB}/client.py {n} {PORT} {SLUG} {LIB}/model.py {args.load}",
+                    timeout=60 + n * (args.load + 15),
+                )
+            finally:
+                if mover.strip():
+                    ct.sh(f"kill {mover.strip()}; wait {mover.strip()} 2>/dev/null", check=False)
             return [json.loads(line) for line in r.out.splitlines() if line.startswith("{")]
 
         if args.worker_dropin and not args.ab:
@@ -304,18 +344,22 @@ def main() -> int:
         since = first = ct.cursor()
         if args.ab:
             rounds = []
+            changed = "warm cgroups" if args.warm_cgroups else "drop-in"
             for i in range(args.rounds):
-                for variant in ("shipped", "drop-in"):
-                    use_dropin(variant == "drop-in")
+                for variant in ("shipped", changed):
+                    if args.worker_dropin:
+                        use_dropin(variant == changed)
                     since = ct.cursor()
-                    (x,) = client(1)
+                    (x,) = client(1, warm=variant == "warm cgroups")
                     rounds.append({**x, "round": i + 1, "variant": variant})
         else:
-            rounds = client(args.rounds)
+            rounds = client(args.rounds, warm=args.warm_cgroups)
         journal = breakdown(ct, since)
         stamps = model_stamps(ct, first)
         version = ct.sh("systemctl --version | head -n 1", check=False).out.strip()
     extra = f", worker drop-in {args.worker_dropin!r}" if args.worker_dropin else ""
+    if args.warm_cgroups:
+        extra += ", a cgroup move every 4 ms meanwhile (--warm-cgroups)"
     if args.decided:
         extra += ", started by the front (network = host, a port per start)"
     out = [
