@@ -13,7 +13,7 @@ probe: their `READY=1` is the start job's end.
 
 A model's load takes about as long each time, so the front keeps when it answered last
 (`expected`, seconds after the probing began): around that moment, from a tenth before it
-(1 s at most) to a quarter after it (2 s at most), it probes every millisecond (every 5 ms
+(1 s at most) to a quarter after it (2 s at most), it probes every millisecond (every 10 ms
 while it answers "not yet"), so a model that loads in 10 s is seen within a millisecond
 or two instead of 20, for the CPU of probing densely through that window alone.
 """
@@ -43,7 +43,7 @@ HEAD_MAX = 8192
 # DENSE_AFTER_MAX_S) and DENSE_SLACK_S after it. A probe costs the front ~55 us of CPU, so
 # the window costs at most ~5% of a core for at most 3.1 s.
 PROBE_DENSE_S = 0.001  # while nothing accepts (asyncio's timers are whole milliseconds)
-PROBE_DENSE_ANSWERED_S = 0.005  # while it answers "not yet": each probe is a request
+PROBE_DENSE_ANSWERED_S = 0.01  # while it answers "not yet": each probe is a request
 DENSE_BEFORE, DENSE_BEFORE_MAX_S = 0.1, 1.0
 DENSE_AFTER, DENSE_AFTER_MAX_S = 0.25, 2.0
 DENSE_SLACK_S = 0.05
