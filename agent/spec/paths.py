@@ -56,12 +56,6 @@ def backoff_file(slug: str) -> Path:
     return runtime_dir() / f"{slug}.backoff"
 
 
-def answer_record(slug: str) -> Path:
-    """When the model answered its front's probe at its last start (agent.worker.readiness).
-    Beside, not in, the provider's runtime directory, which goes with the front."""
-    return runtime_dir() / f"{slug}.answered"
-
-
 def trusted_uids() -> frozenset[int]:
     """Owners a manifest may have: root, plus PROVIDERD_TRUSTED_UID if set (for tests)."""
     uids = {0}

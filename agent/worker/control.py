@@ -38,7 +38,7 @@ from agent.systemd.names import worker_unit
 from agent.systemd.quoting import environment_file
 from agent.systemd.syncbus import same_device_rules
 from agent.worker import wrapper as worker
-from agent.worker.readiness import expected_answer, remember_answer, until_answers
+from agent.worker.readiness import until_answers
 
 ExitCallback = Callable[[str], None]
 DeviceRules = Sequence[tuple[str, str]]
@@ -177,7 +177,7 @@ class SystemdWorker:
     async def _until_started(
         self,
         job: asyncio.Future[str],
-        answered: asyncio.Future[float] | None,
+        answered: asyncio.Future[None] | None,
         watching: asyncio.Future[None] | None,
     ) -> None:
         loop = asyncio.get_running_loop()
@@ -262,16 +262,13 @@ class SystemdWorker:
             return False
         return same_device_rules(current, devices)
 
-    def _probe(self, env: Mapping[str, str]) -> asyncio.Future[float] | None:
+    def _probe(self, env: Mapping[str, str]) -> asyncio.Future[None] | None:
         """The front's own probe of the model (where its readiness can be probed)."""
         port = env.get("PROVIDERD_WORKER_PORT", "")
         if self.ready is None or not port.isdigit():
             return None
         address = Address(env.get("PROVIDERD_WORKER_HOST", "127.0.0.1"), int(port))
-        record = paths.answer_record(self.slug)
-        probe = asyncio.ensure_future(until_answers(address, self.ready, expected_answer(record)))
-        probe.add_done_callback(lambda done: _keep_answer(record, done))
-        return probe
+        return asyncio.ensure_future(until_answers(address, self.ready))
 
     def _job_ended(self, job: asyncio.Future[str]) -> None:
         if job.cancelled() or job.exception() is not None:
@@ -319,16 +316,6 @@ class SystemdWorker:
             return {"current": None, "max": None}
         return {"current": known(current), "max": known(limit)}
 
-
-def _keep_answer(record: Path, probe: asyncio.Future[float]) -> None:
-    """Keep when the model answered, for the next start's probe: written a little later,
-    off the way of the requests its answer releases."""
-    if probe.cancelled() or probe.exception() is not None:
-        return
-    asyncio.get_running_loop().call_later(RECORD_DELAY_S, remember_answer, record, probe.result())
-
-
-RECORD_DELAY_S = 0.02  # the first response is relayed by then (about 1 ms)
 
 # systemd's own exit statuses for a unit that failed before its command ran
 # (systemd.exec(5), "Process Exit Codes"): the common ones, by the name systemd logs.

@@ -10,12 +10,6 @@ front's CPU, looked at without waiting). Probes start 1 ms apart and grow with t
 2 ms, one that loads in 10 s within 20 ms, and a long load costs the front under 1% of a
 core. While the model answers "not yet", 50 ms apart. `notify` models have nothing to
 probe: their `READY=1` is the start job's end.
-
-A model's load takes about as long each time, so the front keeps when it answered last
-(`expected`, seconds after the probing began): around that moment, from a tenth before it
-(1 s at most) to a quarter after it (2 s at most), it probes every millisecond (every 10 ms
-while it answers "not yet"), so a model that loads in 10 s is seen within a millisecond
-or two instead of 20, for the CPU of probing densely through that window alone.
 """
 
 from __future__ import annotations
@@ -23,13 +17,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import math
 import os
 import select
 import socket
-from pathlib import Path
 
-from agent.atomic import write_atomic
 from agent.spec.provider import Address, Ready
 
 PROBE_FIRST_S = 0.001
@@ -38,53 +29,6 @@ PROBE_MAX_S = 0.02  # while nothing listens
 PROBE_ANSWERED_MAX_S = 0.05  # while the model answers "not yet"
 PROBE_TIMEOUT_S = 2.0
 HEAD_MAX = 8192
-# Around the moment the model answered at its last start: from DENSE_BEFORE of it (at most
-# DENSE_BEFORE_MAX_S) and DENSE_SLACK_S before it, to DENSE_AFTER of it (at most
-# DENSE_AFTER_MAX_S) and DENSE_SLACK_S after it. A probe costs the front ~55 us of CPU, so
-# the window costs at most ~5% of a core for at most 3.1 s.
-PROBE_DENSE_S = 0.001  # while nothing accepts (asyncio's timers are whole milliseconds)
-PROBE_DENSE_ANSWERED_S = 0.01  # while it answers "not yet": each probe is a request
-DENSE_BEFORE, DENSE_BEFORE_MAX_S = 0.1, 1.0
-DENSE_AFTER, DENSE_AFTER_MAX_S = 0.25, 2.0
-DENSE_SLACK_S = 0.05
-
-
-RECORD_MAX_S = 86400.0  # a recorded moment beyond a day is not one
-
-
-def expected_answer(record: Path) -> float | None:
-    """The seconds the model took to answer at its last start, as `remember_answer` kept
-    them; None when there is no record or it does not hold one."""
-    try:
-        text = record.read_text(encoding="ascii", errors="strict")[:64]
-    except (OSError, UnicodeError):
-        return None
-    try:
-        value = float(text.strip())
-    except ValueError:
-        return None
-    return value if math.isfinite(value) and 0 < value < RECORD_MAX_S else None
-
-
-def remember_answer(record: Path, seconds: float) -> None:
-    """Keep `seconds` for the next start's probe; a record that cannot be written is only
-    a faster probe lost."""
-    with contextlib.suppress(OSError):
-        write_atomic(record, f"{seconds:.6f}\n", durable=False, make_parent=False)
-
-
-def probe_interval(elapsed: float, answered: bool, expected: float | None = None) -> float:
-    """How long to wait before the next probe, `elapsed` seconds into probing; `answered`:
-    the model accepted the last one but did not say yes; `expected`: when it answered at
-    its last start, if known."""
-    if expected is not None and expected > 0:
-        before = min(expected * DENSE_BEFORE, DENSE_BEFORE_MAX_S) + DENSE_SLACK_S
-        after = min(expected * DENSE_AFTER, DENSE_AFTER_MAX_S) + DENSE_SLACK_S
-        if expected - before <= elapsed <= expected + after:
-            return PROBE_DENSE_ANSWERED_S if answered else PROBE_DENSE_S
-    if answered:
-        return min(PROBE_ANSWERED_MAX_S, max(PROBE_FIRST_S, elapsed / 10))
-    return min(PROBE_MAX_S, max(PROBE_FIRST_S, elapsed * PROBE_GROWTH))
 
 
 async def answers(address: Address, ready: Ready) -> bool | None:
@@ -162,14 +106,16 @@ async def connected(loop: asyncio.AbstractEventLoop, address: Address) -> socket
     return sock
 
 
-async def until_answers(address: Address, ready: Ready, expected: float | None = None) -> float:
-    """Return once the model answers, with the seconds that took; probes until cancelled.
-    `expected`: the seconds it took at the model's last start, if known."""
+async def until_answers(address: Address, ready: Ready) -> None:
+    """Return once the model answers; probes until cancelled."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     while True:
         seen = await answers(address, ready)
-        elapsed = loop.time() - started
         if seen:
-            return elapsed
-        await asyncio.sleep(probe_interval(elapsed, seen is not None, expected))
+            return
+        elapsed = loop.time() - started
+        if seen is None:
+            await asyncio.sleep(min(PROBE_MAX_S, max(PROBE_FIRST_S, elapsed * PROBE_GROWTH)))
+        else:
+            await asyncio.sleep(min(PROBE_ANSWERED_MAX_S, max(PROBE_FIRST_S, elapsed / 10)))

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from pathlib import Path
 
 import pytest
 
-from agent.spec.provider import Address, Ready
+from agent.spec.provider import Ready
 from agent.systemd.bus import property_values
-from agent.worker import control
 from agent.worker.control import StartFailed, SystemdWorker
 from tests.fakes.fake_systemd import Behaviour, FakeSystemd
 
@@ -227,41 +225,6 @@ def test_the_model_answering_the_front_is_ready_before_the_job_ends() -> None:
     assert fake.unit(UNIT).starts == 1
 
 
-def test_the_moment_the_model_answered_is_kept_for_the_next_start(runtime: Path) -> None:
-    """Kept beside the runtime directory after the start (off the way of the held
-    requests), and read back by the next start's probe."""
-    fake = FakeSystemd()
-    worker = probing(fake, Ready("tcp"), delay_s=3.0)
-    s = listener()
-    port = s.getsockname()[1]
-    record = runtime / "demo.answered"
-    seen: list[float | None] = []
-    real = control.until_answers
-
-    async def spy(address: Address, ready: Ready, expected: float | None = None) -> float:
-        seen.append(expected)
-        return await real(address, ready, expected)
-
-    async def go() -> None:
-        loop = asyncio.get_running_loop()
-        loop.call_later(0.2, s.listen)
-        await worker.start({"PROVIDERD_WORKER_PORT": str(port)}, None)
-        assert not record.exists()  # not yet: the requests it releases go first
-        await asyncio.sleep(control.RECORD_DELAY_S + 0.2)
-
-    try:
-        with pytest.MonkeyPatch.context() as m:
-            m.setattr(control, "until_answers", spy)
-            asyncio.run(go())
-            assert 0.15 <= float(record.read_text()) < 1.0
-            kept = float(record.read_text())
-            worker2 = probing(FakeSystemd(), Ready("tcp"), delay_s=3.0)
-            asyncio.run(worker2.start({"PROVIDERD_WORKER_PORT": str(port)}, None))
-    finally:
-        s.close()
-    assert seen == [None, pytest.approx(kept)]
-
-
 def test_a_job_that_fails_after_the_model_answered_is_the_workers_exit() -> None:
     fake = FakeSystemd()
     worker = probing(fake, Ready("tcp"), delay_s=0.3, result="exit-code", status=4)
@@ -327,12 +290,13 @@ def test_http_readiness_needs_a_2xx_from_the_front_even_once_the_job_is_done() -
     worker = probing(fake, Ready("http", "/health"), delay_s=0.01)
     s = listener()
     s.listen()
-    t0 = time.monotonic()  # asyncio's clock; the server's 0.4 s count from its start
     answered = serving(s, loading_s=0.4)
 
     async def go() -> float:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         await worker.start({"PROVIDERD_WORKER_PORT": str(s.getsockname()[1])}, None)
-        return asyncio.get_running_loop().time() - t0
+        return loop.time() - t0
 
     try:
         took = asyncio.run(go())
