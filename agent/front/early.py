@@ -7,7 +7,8 @@ nor while a saved backoff exists, nor for a worker systemd starts beside the fro
 port; GPU admission at once (`agent.gpu.quick`); worker.env; `DeviceAllow=` when it must
 change; `StartUnit` over a blocking bus connection (`agent.systemd.syncbus`). The front's
 start then follows that job as it follows a start it asks for itself
-(`agent.systemd.bus.DbusSystemd.adopt`): one start, the same waiting, the same failures.
+(`agent.worker.control.SystemdWorker.adopt`): one start, the same waiting, the same
+failures, and nothing done twice (worker.env, `DeviceAllow=`).
 
 What it cannot decide at once (the GPU lock held by another front's admission, a fit that
 needs a provider retired, NVML or the bus failing) it leaves, having undone what it did,

@@ -794,7 +794,6 @@ async def run_systemd(slug: str, early: Early | None = None) -> int:
     from agent.spec.manifest import ManifestError
     from agent.systemd.bus import DbusSystemd
     from agent.systemd.manifests import load
-    from agent.systemd.names import worker_unit
     from agent.systemd.notify import notify
     from agent.worker.control import SystemdWorker
 
@@ -812,8 +811,6 @@ async def run_systemd(slug: str, early: Early | None = None) -> int:
     listeners = inherited_listeners()
     bus = DbusSystemd()
     await bus.connect()
-    if early.start is not None and early.start.job:
-        bus.adopt(worker_unit(slug), early.start.job)
     backoff_file = paths.backoff_file(slug)
     keys = apikeys.load()  # the credential providerd-keys, while the keys file exists
     apikeys.report(keys, log)
@@ -823,6 +820,8 @@ async def run_systemd(slug: str, early: Early | None = None) -> int:
     worker = SystemdWorker(
         bus, slug, provider.start_timeout_s, with_front=with_front, ready=provider.ready
     )
+    if early.start is not None and early.start.job:
+        worker.adopt(early.start.job, early.start.env, early.start.devices)
     front = Front(
         provider,
         worker,

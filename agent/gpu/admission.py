@@ -39,6 +39,7 @@ from agent.gpu.placement import (
     plan_admission,
 )
 from agent.gpu.procs import ProcFs, ProcReader
+from agent.gpu.quick import reserve_if_fits
 from agent.gpu.reservations import Admitted, effective_cards, gpu_lock, read_reservations
 from agent.net import rpc
 from agent.spec import paths
@@ -148,13 +149,11 @@ async def _attempt(
     for _ in range(4):
         cards, _procs = effective_cards(nvml, provider.slug, rt, proc)
         holders = [h for h in await peers.list() if h.slug != provider.slug]
-        plan = plan_admission(provider, need, cards, holders, headroom)
+        plan = reserve_if_fits(provider, need, cards, holders, headroom, rt)
         if isinstance(plan, Refusal):
             return plan
-        if not plan.victims:
-            admitted = Admitted(provider.slug, plan.placement, need, runtime_dir=rt)
-            admitted._write(())
-            return admitted, retired, waited
+        if isinstance(plan, Admitted):
+            return plan, retired, waited
         now_retired = []
         for slug in plan.victims:
             left = deadline - time.monotonic()

@@ -3,19 +3,28 @@ the time of one NVML read.
 
 `admit_now()` takes the GPU lock only if it is free, reads the cards less the other
 fronts' reservations, and admits when the provider fits as things are (no provider to
-retire); it writes the reservation as `agent.gpu.admission.admit` does. Everything else
-(the lock held by another front's admission, a fit that needs a provider retired, a
-refusal) it leaves to `admit`, which waits, retires and explains: it returns None then,
-having changed nothing. No asyncio here: this runs on the way to the worker's StartUnit.
+retire). Everything else (the lock held by another front's admission, a fit that needs a
+provider retired, a refusal) it leaves to `agent.gpu.admission.admit`, which waits,
+retires and explains: it returns None then, having changed nothing. `reserve_if_fits` is
+the step both take under the lock: the plan, and the reservation when it retires no one.
+No asyncio here: this runs on the way to the worker's StartUnit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from agent.gpu.footprint import Footprints
-from agent.gpu.nvml import Nvml
-from agent.gpu.placement import DEFAULT_HEADROOM, Plan, need_bytes, plan_admission
+from agent.gpu.nvml import Card, Nvml
+from agent.gpu.placement import (
+    DEFAULT_HEADROOM,
+    Holder,
+    Plan,
+    Refusal,
+    need_bytes,
+    plan_admission,
+)
 from agent.gpu.procs import ProcFs, ProcReader
 from agent.gpu.reservations import Admitted, effective_cards, gpu_lock_now
 from agent.spec import paths
@@ -43,9 +52,23 @@ def admit_now(
         cards, _procs = effective_cards(nvml, provider.slug, rt, proc or ProcFs())
         # No holders: a provider that fits as things are needs none; one that does not is
         # `admit`'s to plan, with every holder's status.
-        plan = plan_admission(provider, need, cards, (), headroom)
-        if not isinstance(plan, Plan) or plan.victims:
-            return None
-        admitted = Admitted(provider.slug, plan.placement, need, runtime_dir=rt)
-        admitted._write(())
-        return admitted
+        outcome = reserve_if_fits(provider, need, cards, (), headroom, rt)
+        return outcome if isinstance(outcome, Admitted) else None
+
+
+def reserve_if_fits(
+    provider: Provider,
+    need: int,
+    cards: Sequence[Card],
+    holders: Sequence[Holder],
+    headroom: int,
+    runtime_dir: Path,
+) -> Admitted | Plan | Refusal:
+    """Under the GPU lock: the plan for `provider` on `cards`; when it retires no one, its
+    reservation written and the `Admitted`; else the plan (its victims) or the refusal."""
+    plan = plan_admission(provider, need, cards, holders, headroom)
+    if isinstance(plan, Refusal) or plan.victims:
+        return plan
+    admitted = Admitted(provider.slug, plan.placement, need, runtime_dir=runtime_dir)
+    admitted._write(())
+    return admitted

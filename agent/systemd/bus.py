@@ -9,7 +9,7 @@ The races this guards against (research/systemd.md §7):
 - A unit nobody pins is garbage-collected: always `LoadUnit`, never `GetUnit`.
 - Signals only flow after `Subscribe()`.
 - A start asked for before this connection existed (`agent.systemd.syncbus`, by the
-  front's early start) is followed, not asked for again (`adopt`): its `JobRemoved` may
+  front's early start) is followed, not asked for again (`follow`): its `JobRemoved` may
   have gone out before `Subscribe()`, and then the unit's state tells how it ended.
 """
 
@@ -55,6 +55,11 @@ class Systemd(Protocol):
         """Start `name` ("replace" mode) and wait for its job: "done", "failed", "timeout", …"""
         ...
 
+    async def follow(self, name: str, job: str) -> str:
+        """Wait for `job`, a start of `name` asked for on another connection: its result as
+        `start_unit`'s, "done" when it ended before this connection could see it."""
+        ...
+
     async def stop_unit(self, name: str) -> str: ...
 
     async def get(self, name: str, interface: str, prop: str) -> Any:
@@ -82,7 +87,6 @@ class DbusSystemd:
         self._finished: dict[str, str] = {}
         self._units: dict[str, Any] = {}  # name -> proxy object
         self._unit_node: Any = None  # UNIT_XML, parsed once
-        self._adopted: dict[str, str] = {}  # unit -> the job of a start asked for already
 
     async def connect(self) -> None:
         from dbus_next.aio.message_bus import MessageBus
@@ -127,20 +131,12 @@ class DbusSystemd:
             self._units[name] = unit
         return unit
 
-    def adopt(self, name: str, job: str) -> None:
-        """`job` starts `name` already (asked for on another connection): the next
-        `start_unit(name)` follows it instead of asking for a start."""
-        self._adopted[name] = job
-
     async def start_unit(self, name: str) -> str:
-        adopted = self._adopted.pop(name, None)
-        if adopted is not None:
-            return await self._follow(name, adopted)
         # By name: PID 1 loads the unit itself, no LoadUnit round trip first.
         job = await self._manager.call_start_unit(name, "replace")
         return await self._wait_job(job)
 
-    async def _follow(self, name: str, job: str) -> str:
+    async def follow(self, name: str, job: str) -> str:
         """The result of a job this connection did not ask for. Its JobRemoved counts from
         `Subscribe()` on (`connect`); one sent before was not ours to see, so: when the unit
         no longer runs `job`, the job is over, and "done" lets the caller read the unit's

@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -89,6 +90,19 @@ def write_env_file(path: Path, env: Mapping[str, str]) -> None:
 # ---------------------------------------------------------------------------- systemd
 
 
+@dataclass(frozen=True)
+class _Adopted:
+    """A start of the worker asked for on another connection, and what it was asked with."""
+
+    job: str
+    env: dict[str, str]
+    devices: list[tuple[str, str]] | None
+
+
+def _rules(devices: DeviceRules | None) -> list[tuple[str, str]] | None:
+    return None if devices is None else [(str(p), str(a)) for p, a in devices]
+
+
 class SystemdWorker:
     def __init__(
         self,
@@ -115,9 +129,17 @@ class SystemdWorker:
         self._exit_task: asyncio.Task[None] | None = None
         self._exited: asyncio.Future[None] | None = None  # set while a start waits
         self._stop_left_to_systemd = False
+        self._adopted: _Adopted | None = None
 
     def on_exit(self, callback: ExitCallback) -> None:
         self._on_exit = callback
+
+    def adopt(self, job: str, env: Mapping[str, str], devices: DeviceRules | None) -> None:
+        """A start asked for already, on another connection (`agent.front.early`): worker.env
+        written with `env`, `DeviceAllow=` made `devices`, StartUnit answered with `job`.
+        The next start with the same `env` and `devices` follows that job and does none of
+        it again; a start decided otherwise does everything, as any start."""
+        self._adopted = _Adopted(job, dict(env), _rules(devices))
 
     def _state_changed(self, active: str, _sub: str) -> None:
         ended = active in ("failed", "inactive", "deactivating")
@@ -149,11 +171,16 @@ class SystemdWorker:
         return f"worker {what} (result: {result})"
 
     async def start(self, env: Mapping[str, str], devices: DeviceRules | None) -> None:
-        write_env_file(paths.worker_env_file(self.slug), env)
-        if devices is not None and not await self._devices_are(devices):
-            await self.systemd.set_properties(
-                self.unit, [("DeviceAllow", "a(ss)", []), ("DeviceAllow", "a(ss)", list(devices))]
-            )
+        adopted, self._adopted = self._adopted, None
+        if adopted is not None and (adopted.env, adopted.devices) != (dict(env), _rules(devices)):
+            adopted = None  # not the start asked for: this one is asked for as usual
+        if adopted is None:
+            write_env_file(paths.worker_env_file(self.slug), env)
+            if devices is not None and not await self._devices_are(devices):
+                rules = list(devices)
+                await self.systemd.set_properties(
+                    self.unit, [("DeviceAllow", "a(ss)", []), ("DeviceAllow", "a(ss)", rules)]
+                )
         if self._with_front:
             self._with_front = False
             await self._failed_with_front()
@@ -162,7 +189,11 @@ class SystemdWorker:
             # Set up while the start runs: it only matters once the worker is ready.
             watching = asyncio.ensure_future(self.systemd.watch(self.unit, self._state_changed))
             self._watching = True
-        job = asyncio.ensure_future(self.systemd.start_unit(self.unit))
+        job = asyncio.ensure_future(
+            self.systemd.start_unit(self.unit)
+            if adopted is None
+            else self.systemd.follow(self.unit, adopted.job)
+        )
         try:
             await self._until_started(job, self._probe(env), watching)
         except BaseException:

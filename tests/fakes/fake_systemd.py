@@ -71,6 +71,19 @@ class FakeSystemd:
         """What an activation does for a worker the front Wants=: a start job nobody waits for."""
         return self._start_job_task(name)
 
+    def start_elsewhere(self, name: str) -> str:
+        """A StartUnit sent on another connection (the front's early start): its job's path."""
+        self.calls.append(("start-elsewhere", name))
+        self._start_job_task(name)
+        return f"/org/freedesktop/systemd1/job/{self.unit(name).job}"
+
+    async def follow(self, name: str, job: str) -> str:
+        self.calls.append(("follow", name))
+        task = self._jobs.get(name)
+        if task is None or job != f"/org/freedesktop/systemd1/job/{self.unit(name).job}":
+            return "done"  # over before this connection saw it: the unit's state tells
+        return await asyncio.shield(task)
+
     def _start_job_task(self, name: str) -> asyncio.Task[str]:
         unit = self.unit(name)
         unit.job = self._next_job = self._next_job + 1

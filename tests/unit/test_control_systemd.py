@@ -106,6 +106,74 @@ def test_device_rules_in_pid1s_own_order_are_the_same_rules() -> None:
     assert not [c for c in fake.calls if c[0] == "set-property"]
 
 
+RULES = [("/dev/nvidiactl", "rw"), ("/dev/nvidia0", "rw")]
+ENV = {"PROVIDERD_WORKER_PORT": "4242"}
+
+
+def test_an_adopted_start_is_followed_and_nothing_is_done_twice(runtime: Path) -> None:
+    """The early start wrote worker.env, set DeviceAllow= and sent StartUnit: the front's
+    start follows that job and neither writes, reads nor sets anything again."""
+    fake = FakeSystemd()
+    worker = make(fake, delay_s=0.02)
+
+    async def go() -> None:
+        job = fake.start_elsewhere(UNIT)
+        worker.adopt(job, ENV, RULES)
+        await worker.start(dict(ENV), list(RULES))
+
+    asyncio.run(go())
+    assert not (runtime / "demo" / "worker.env").exists()  # the early start's to write
+    assert [c[0] for c in fake.calls] == ["start-elsewhere", "follow"]
+    assert fake.unit(UNIT).active == "active" and fake.unit(UNIT).starts == 1
+
+
+def test_an_adopted_start_that_fails_fails_the_start() -> None:
+    fake = FakeSystemd()
+    worker = make(fake, result="exit-code", status=3)
+
+    async def go() -> None:
+        worker.adopt(fake.start_elsewhere(UNIT), ENV, None)
+        await worker.start(dict(ENV), None)
+
+    with pytest.raises(StartFailed, match="status 3"):
+        asyncio.run(go())
+    assert ("start", UNIT) not in fake.calls
+
+
+def test_an_adoption_serves_one_start_and_only_the_start_it_was_asked_with(
+    runtime: Path,
+) -> None:
+    fake = FakeSystemd()
+    worker = make(fake)
+
+    async def go() -> None:
+        worker.adopt(fake.start_elsewhere(UNIT), ENV, RULES)
+        await asyncio.sleep(0.01)
+        # Decided otherwise since (another card): asked for as any start.
+        await worker.start(dict(ENV), [("/dev/nvidiactl", "rw"), ("/dev/nvidia1", "rw")])
+        await worker.stop()
+        await worker.start(dict(ENV), list(RULES))
+
+    asyncio.run(go())
+    assert [c[0] for c in fake.calls if c[0] in ("follow", "start")] == ["start", "start"]
+    assert (runtime / "demo" / "worker.env").exists()
+    assert fake.unit(UNIT).properties["DeviceAllow"] == RULES
+
+
+def test_a_job_over_before_the_front_follows_it_leaves_the_units_state_to_decide() -> None:
+    fake = FakeSystemd()
+    worker = make(fake, condition_path="/nonexistent/worker.env")
+
+    async def go() -> None:
+        job = fake.start_elsewhere(UNIT)
+        await asyncio.sleep(0.01)  # its condition failed: done, and the unit inactive
+        worker.adopt(job, ENV, None)
+        await worker.start(dict(ENV), None)
+
+    with pytest.raises(StartFailed):
+        asyncio.run(go())
+
+
 def test_crash_after_ready_is_reported_once_with_reason() -> None:
     fake = FakeSystemd()
     worker = make(fake)

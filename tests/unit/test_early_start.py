@@ -1,6 +1,6 @@
 """The worker's start asked for before the front's own start (agent.front.early): what it
 decides, writes and sends to a bus made of dbus-next's marshalling, when it leaves the start
-to the front, and how the front's bus then follows that job (agent.systemd.bus.adopt)."""
+to the front, and how the front's bus then follows that job (agent.systemd.bus.follow)."""
 
 from __future__ import annotations
 
@@ -264,8 +264,7 @@ class Following(DbusSystemd):
 def test_a_job_still_running_is_followed_to_its_jobremoved() -> None:
     async def go() -> str:
         bus = Following([99, JOB])
-        bus.adopt(UNIT, JOB)
-        task = asyncio.ensure_future(bus.start_unit(UNIT))
+        task = asyncio.ensure_future(bus.follow(UNIT, JOB))
         for _ in range(5):
             await asyncio.sleep(0)
         assert not task.done()
@@ -281,8 +280,7 @@ def test_a_jobremoved_that_came_after_subscribe_but_before_following_is_kept() -
     async def go() -> tuple[str, int]:
         bus = Following([0, "/"])
         bus._on_job_removed(99, JOB, UNIT, "timeout")
-        bus.adopt(UNIT, JOB)
-        return await bus.start_unit(UNIT), bus.reads
+        return await bus.follow(UNIT, JOB), bus.reads
 
     assert asyncio.run(go()) == ("timeout", 0)
 
@@ -290,8 +288,7 @@ def test_a_jobremoved_that_came_after_subscribe_but_before_following_is_kept() -
 def test_a_jobremoved_during_the_read_is_the_result() -> None:
     async def go() -> str:
         bus = Following([0, "/"], during="failed")
-        bus.adopt(UNIT, JOB)
-        return await bus.start_unit(UNIT)
+        return await bus.follow(UNIT, JOB)
 
     assert asyncio.run(go()) == "failed"
 
@@ -299,9 +296,8 @@ def test_a_jobremoved_during_the_read_is_the_result() -> None:
 def test_a_job_over_before_subscribe_leaves_the_outcome_to_the_units_state() -> None:
     async def go() -> tuple[str, str]:
         bus = Following([0, "/"])
-        bus.adopt(UNIT, JOB)
-        first = await bus.start_unit(UNIT)
-        # Adopted once: the next start is asked for as usual.
+        first = await bus.follow(UNIT, JOB)
+        # Followed once: the next start is asked for as usual.
         second_job = "/org/freedesktop/systemd1/job/100"
         bus._on_job_removed(100, second_job, UNIT, "done")
         second = await bus.start_unit(UNIT)
