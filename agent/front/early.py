@@ -10,6 +10,13 @@ start then follows that job as it follows a start it asks for itself
 (`agent.worker.control.SystemdWorker.adopt`): one start, the same waiting, the same
 failures, and nothing done twice (worker.env, `DeviceAllow=`).
 
+What it decides from comes from the generator's record of the provider
+(`agent.systemd.early_record`) while the manifest and the files around it are as they were
+when it was written: nothing of `agent.spec`'s validation is imported then (the front
+validates the manifest in full after the StartUnit). Else it validates the manifest itself.
+Either way this module's imports are kept to what the path it takes needs: `logging`, for
+one, only where a module it calls may log.
+
 What it cannot decide at once (the GPU lock held by another front's admission, a fit that
 needs a provider retired, NVML or the bus failing) it leaves, having undone what it did,
 to the front's own start, which then does everything as before. It never raises.
@@ -17,66 +24,162 @@ to the front's own start, which then does everything as before. It never raises.
 
 from __future__ import annotations
 
-import logging
 import os
-import socket
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.errors import ProviderdError
-from agent.spec.provider import Provider
+
+if TYPE_CHECKING:
+    import logging
+
+    from agent.gpu.reservations import Admitted
+    from agent.spec.provider import Provider
 
 SD = "org.freedesktop.systemd1"
 SD_PATH = "/org/freedesktop/systemd1"
+INFO, WARNING, ERROR = 20, 30, 40  # logging's levels, without importing it
 
 
-@dataclass
+class Note:
+    """A line of the early start's own, logged by `Early.replay` with the provider's logger."""
+
+    __slots__ = ("args", "exc", "levelno", "msg", "name")
+
+    def __init__(
+        self, name: str, level: int, msg: str, args: tuple[Any, ...], exc: BaseException | None
+    ) -> None:
+        self.name, self.levelno, self.msg, self.args, self.exc = name, level, msg, args, exc
+
+    def getMessage(self) -> str:  # as logging.LogRecord's
+        return self.msg % self.args if self.args else self.msg
+
+
 class Early:
-    """What `begin()` did: the provider it loaded, and the start it asked for, if any."""
+    """What `begin()` did: the provider it loaded (None where it decided from the
+    generator's record), and the start it asked for, if any."""
 
-    provider: Provider | None = None
-    start: Started | None = None
-    nvml: Any = None  # agent.gpu.nvml.Nvml, opened for admission: the front keeps using it
-    headroom_bytes: int | None = None  # providerd.toml's, once read (`gpu_read`)
-    gpu_read: bool = False
-    # What was logged on the way, for the handlers `agent.log.setup()` installs later.
-    records: list[logging.LogRecord] = field(default_factory=list)
+    def __init__(self, slug: str = "") -> None:
+        self.slug = slug
+        self.provider: Provider | None = None
+        self.start: Started | None = None
+        self.nvml: Any = None  # agent.gpu.nvml.Nvml, opened for admission: the front keeps it
+        self.headroom_bytes: int | None = None  # providerd.toml's, once read (`gpu_read`)
+        self.gpu_read = False
+        # What was said on the way (its own Notes, and the LogRecords of the modules it
+        # called), for the handlers `agent.log.setup()` installs later.
+        self.records: list[Any] = []
+        self._undo: Any = None  # puts logging back as it was, while records are held
+
+    def note(self, level: int, msg: str, *args: Any, exc: BaseException | None = None) -> None:
+        self.records.append(Note(f"providerd.{self.slug}", level, msg, args, exc))
+
+    def hold(self) -> None:
+        """From now on, keep what modules log until logging is set up: `agent.log.setup()`
+        imports the journal's module, which is not worth its time on the way to StartUnit."""
+        if self._undo is not None:
+            return
+        import logging
+
+        records = self.records
+
+        class Held(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                records.append(record)
+
+        held = Held(logging.DEBUG)
+        root = logging.getLogger()
+        own = [logging.getLogger(name) for name in ("providerd", "agent")]  # as agent.log's
+        levels = [logger.level for logger in own]
+        root.addHandler(held)
+        for logger in own:
+            logger.setLevel(logging.INFO)
+
+        def undo() -> None:
+            root.removeHandler(held)
+            for logger, level in zip(own, levels, strict=True):
+                logger.setLevel(level)
+
+        self._undo = undo
+
+    def unhold(self) -> None:
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
 
     def replay(self) -> None:
-        """Hand the records kept on the way to the handlers there are now."""
+        """Hand what was said on the way to the handlers there are now."""
+        import logging
+
         records, self.records = self.records, []
         for record in records:
-            logging.getLogger(record.name).handle(record)
+            logger = logging.getLogger(record.name)
+            if isinstance(record, Note):
+                logger.log(record.levelno, record.msg, *record.args, exc_info=record.exc)
+            else:
+                logger.handle(record)
 
 
-@dataclass(frozen=True)
 class Started:
     """A start asked for: its job, and what the front's start task needs to follow it."""
 
-    job: str  # the start job's object path; "" when StartUnit went out with no answer
-    port: int
-    env: dict[str, str]  # as written to worker.env
-    devices: list[tuple[str, str]] | None
-    admitted: Any = None  # agent.gpu.reservations.Admitted for a GPU provider
-    # From begin() to StartUnit's reply, and its parts: the manifest, the decision (the
-    # GPU's admission, worker.env), the bus (connection, DeviceAllow=, StartUnit).
-    took_ms: float = 0.0
-    parts_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    set_devices: bool = False  # DeviceAllow= had to change (SetUnitProperties: polkit)
+    __slots__ = (
+        "admitted",
+        "devices",
+        "env",
+        "from_record",
+        "job",
+        "parts_ms",
+        "port",
+        "set_devices",
+        "took_ms",
+    )
+
+    def __init__(
+        self,
+        job: str,  # the start job's object path; "" when StartUnit went out with no answer
+        port: int,
+        env: dict[str, str],  # as written to worker.env
+        devices: list[tuple[str, str]] | None,
+        admitted: Admitted | None = None,  # for a GPU provider
+        took_ms: float = 0.0,
+        # From begin() to StartUnit's reply, and its parts: the manifest (or the record), the
+        # decision (the GPU's admission, worker.env), the bus (connection, DeviceAllow=, StartUnit).
+        parts_ms: tuple[float, float, float] = (0.0, 0.0, 0.0),
+        set_devices: bool = False,  # DeviceAllow= had to change (SetUnitProperties: polkit)
+        from_record: bool = False,  # decided from the generator's record, not the manifest
+    ) -> None:
+        self.job, self.port, self.env, self.devices = job, port, env, devices
+        self.admitted, self.took_ms, self.parts_ms = admitted, took_ms, parts_ms
+        self.set_devices, self.from_record = set_devices, from_record
 
     def describe(self) -> str:
         m, d, b = self.parts_ms
         what = ", DeviceAllow= set" if self.set_devices else ""
+        source = "record" if self.from_record else "manifest"
         return (
-            f"{self.took_ms:.1f} ms into the front: manifest {m:.1f}, decision {d:.1f}, "
+            f"{self.took_ms:.1f} ms into the front: {source} {m:.1f}, decision {d:.1f}, "
             f"bus {b:.1f} ms{what}"
         )
 
 
+class _Decision:
+    """What the start is decided from: the manifest's Provider, or the generator's record."""
+
+    __slots__ = ("gpu", "headroom", "host", "port")
+
+    def __init__(self, port: int, host: str, gpu: Provider | None, headroom: int | None) -> None:
+        self.port = port  # 0: a free one, chosen now
+        self.host = host
+        self.gpu = gpu  # the provider as GPU admission sees it; None without a GPU
+        self.headroom = headroom  # providerd.toml's GPU headroom; None: not read yet
+
+
 def free_port() -> int:
     """A free loopback port for the worker (in the front's network namespace)."""
+    import socket
+
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -102,69 +205,113 @@ def gpu_headroom() -> tuple[int | None, list[str]]:
         return None, [f"{problem}; using the default GPU headroom" for problem in e.problems]
 
 
-class _Held(logging.Handler):
-    """Keeps what is logged before logging is set up: `agent.log.setup()` imports the
-    journal's module, which is not worth its time on the way to StartUnit."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+def keys_on(path: str) -> bool:
+    """`agent.spec.apikeys.keys_on`, without that module's imports: the keys file exists, or
+    cannot be looked at (keys fail closed, never open)."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def begin(argv: Sequence[str]) -> Early:
     """Decide the worker's start and ask for it, if this front may do so at once."""
     began = time.perf_counter()
-    early = Early()
+    early = Early(argv[0] if len(argv) == 1 else "")
     if len(argv) != 1:
         return early
-    held = _Held()
-    root = logging.getLogger()
-    own = [logging.getLogger(name) for name in ("providerd", "agent")]  # as agent.log's
-    levels = [logger.level for logger in own]
-    root.addHandler(held)
-    for logger in own:
-        logger.setLevel(logging.INFO)
-    log = logging.getLogger(f"providerd.{argv[0]}")
     try:
-        _begin(argv[0], early, began, log)
+        _begin(argv[0], early, began)
     except Exception as e:  # a bug: the front's own start does it all, and says what failed
         early.start = None
-        log.error("Failed to ask for the worker's start first: %r", e, exc_info=e)
+        early.note(ERROR, "Failed to ask for the worker's start first: %r", e, exc=e)
     finally:
-        root.removeHandler(held)
-        for logger, level in zip(own, levels, strict=True):
-            logger.setLevel(level)
-        early.records = held.records
+        early.unhold()
     return early
 
 
-def _begin(slug: str, early: Early, began: float, log: logging.Logger) -> None:
-    from agent.spec import apikeys, paths
+def _from_record(slug: str) -> _Decision | None:
+    """The decision's inputs from the generator's record, while it matches the manifest."""
+    from agent.systemd import early_record
+
+    manifest = os.environ.get("PROVIDERD_MANIFEST", "")
+    fields = early_record.read(slug, manifest) if manifest else None
+    if fields is None:
+        return None
+    try:
+        gpu = None
+        if fields["gpu"] != "none":
+            gpu = _gpu_provider(slug, manifest, fields)
+        headroom = int(fields["headroom"]) if "headroom" in fields else None
+        return _Decision(int(fields["port"]), fields["host"], gpu, headroom)
+    except ValueError:
+        return None  # not as the generator writes it: the manifest decides
+
+
+def _gpu_provider(slug: str, manifest: str, fields: Mapping[str, str]) -> Provider:
+    """The provider as GPU admission reads it (its GPU request), from the record alone."""
+    from pathlib import Path
+
+    from agent.spec.provider import Provider
+
+    kind, _, listed = fields["gpu"].partition(" ")
+    devices: Any = kind
+    if kind == "list":
+        devices = tuple(int(d) if d.isdigit() else d for d in listed.split())
+    elif kind != "auto":
+        raise ValueError(fields["gpu"])
+    budget = fields["vram_budget_gb"]
+    return Provider(
+        slug,
+        Path(manifest),
+        gpu_devices=devices,
+        gpu_count=int(fields["gpu_count"]),
+        vram_budget_gb=None if budget == "-" else float(budget),
+        gpu_priority=int(fields.get("gpu_priority", "0")),
+    )
+
+
+def _from_manifest(slug: str, early: Early) -> _Decision | None:
+    """The decision's inputs from the manifest, validated; None where it has problems (the
+    front's own start loads it again and logs every one) or systemd starts the worker."""
     from agent.spec.manifest import ManifestError
     from agent.systemd.manifests import load
+    from agent.systemd.units import worker_host
 
     try:
         provider = early.provider = load(slug)
     except ManifestError:
-        return  # the front's own start loads it again and logs every problem
-    loaded = time.perf_counter()
+        return None
     if provider.starts_with_front:
-        return  # systemd started the worker beside the front
-    if apikeys.keys_on() or os.path.lexists(paths.backoff_file(slug)):
+        return None  # systemd started the worker beside the front
+    gpu = provider if provider.uses_gpu else None
+    return _Decision(provider.known_worker_port, worker_host(provider), gpu, None)
+
+
+def _begin(slug: str, early: Early, began: float) -> None:
+    decision = _from_record(slug)
+    if decision is None:
+        early.hold()  # validation's modules may log
+        decision = _from_manifest(slug, early)
+        if decision is None:
+            return
+    loaded = time.perf_counter()
+    from agent.spec import paths
+
+    if keys_on(str(paths.keys_file())) or os.path.lexists(paths.backoff_file(slug)):
         return  # a request whose key may start it decides; the saved backoff may refuse
     from agent.systemd.names import worker_unit
-    from agent.systemd.units import worker_host
 
-    port = provider.known_worker_port or free_port()
-    host = worker_host(provider)
+    port = decision.port or free_port()
     gpu_env: dict[str, str] = {}
     devices: list[tuple[str, str]] | None = None
     admitted = None
-    if provider.uses_gpu:
-        admitted = _admit(provider, early, log)
+    if decision.gpu is not None:
+        early.hold()  # GPU's modules may log (a footprint that cannot be read, say)
+        admitted = _admit(decision, early)
         if admitted is None:
             return
     decided = time.perf_counter()
@@ -173,7 +320,7 @@ def _begin(slug: str, early: Early, began: float, log: logging.Logger) -> None:
             from agent.gpu.placement import device_allow, worker_env
 
             gpu_env, devices = worker_env(admitted.placement), device_allow(admitted.placement)
-        env = worker_environment(port, host, gpu_env)
+        env = worker_environment(port, decision.host, gpu_env)
         from agent.atomic import write_atomic
         from agent.systemd.quoting import environment_file
 
@@ -183,41 +330,47 @@ def _begin(slug: str, early: Early, began: float, log: logging.Logger) -> None:
     except _Unanswered as e:
         # PID 1 may have taken the start: the front's own start keeps this decision (the
         # port, the card and its reservation), so its StartUnit joins the same job.
-        log.info("Asked for the worker's start first, with no answer (%s); following it", e)
+        why = "Asked for the worker's start first, with no answer (%s); following it"
+        early.note(INFO, why, e)
         early.start = Started("", port, env, devices, admitted)
         return
     except Exception as e:
         if admitted is not None:
             admitted.release()
-        log.info("Failed to ask for the worker's start first: %s; asking again", e)
+        early.note(INFO, "Failed to ask for the worker's start first: %s; asking again", e)
         return
     done = time.perf_counter()
     parts = ((loaded - began) * 1000, (decided - loaded) * 1000, (done - decided) * 1000)
     took = (done - began) * 1000
-    early.start = Started(job, port, env, devices, admitted, took, parts, set_devices)
-    log.info("Asked for the worker's start first, %s", early.start.describe())
+    from_record = early.provider is None
+    early.start = Started(job, port, env, devices, admitted, took, parts, set_devices, from_record)
+    early.note(INFO, "Asked for the worker's start first, %s", early.start.describe())
 
 
-def _admit(provider: Provider, early: Early, log: logging.Logger) -> Any:
+def _admit(decision: _Decision, early: Early) -> Admitted | None:
     """GPU admission at once, or None (and a line why not)."""
     from agent.gpu.footprint import Footprints
     from agent.gpu.nvml import NvmlUnavailable, open_nvml
     from agent.gpu.quick import admit_now
 
-    early.headroom_bytes, problems = gpu_headroom()
+    assert decision.gpu is not None
+    if decision.headroom is None:
+        early.headroom_bytes, problems = gpu_headroom()
+        for problem in problems:
+            early.note(WARNING, "%s", problem)
+    else:
+        early.headroom_bytes = decision.headroom
     early.gpu_read = True
-    for problem in problems:
-        log.warning("%s", problem)
     try:
         early.nvml = open_nvml()
         admitted = admit_now(
-            provider, early.nvml, Footprints(), headroom_bytes=early.headroom_bytes
+            decision.gpu, early.nvml, Footprints(), headroom_bytes=early.headroom_bytes
         )
     except NvmlUnavailable:
         return None  # the front's own admission reports it
     if admitted is None:
         why = "waits for another front's admission or must make room on the GPU"
-        log.info("Not asking for the worker's start first: admission %s", why)
+        early.note(INFO, "Not asking for the worker's start first: admission %s", why)
     return admitted
 
 

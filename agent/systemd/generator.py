@@ -18,10 +18,10 @@ from typing import TextIO
 
 from agent import atomic
 from agent.atomic import link_atomic
-from agent.spec import manifest
+from agent.spec import manifest, paths
 from agent.spec import settings as config
 from agent.spec.provider import Problem, Provider, printable
-from agent.systemd import manifests, router_units, units
+from agent.systemd import early_record, manifests, router_units, units
 from agent.systemd.names import ROUTER_SOCKET
 
 PROG = units.GENERATOR
@@ -98,6 +98,27 @@ def generate(
     return failures
 
 
+def generate_early(providers: list[Provider], out: Path, taken: dict[str, str]) -> list[str]:
+    """The early start's record of each provider whose start its front decides
+    (`agent.systemd.early_record`), from the stat of its files `taken` before they were
+    read; the paths that failed, with why."""
+    try:
+        headroom: int | None = config.load().gpu.headroom_bytes
+    except config.ConfigError:
+        headroom = None  # the early start reads providerd.toml itself, and says what is wrong
+    failures: list[str] = []
+    for provider in providers:
+        text = early_record.render(provider, str(paths.config_file()), headroom, taken)
+        if text is None:
+            continue
+        target = Path(early_record.record_path(provider.slug, str(out)))
+        try:
+            write_atomic(target, text)
+        except OSError as e:
+            failures.append(f"Failed to write {target}: {e.strerror or e}")
+    return failures
+
+
 def generate_router(out: Path) -> list[str]:
     """The router socket's address, and its sockets.target link when enabled, from
     providerd.toml; the lines to log. Without the file (or with a bad one) the socket keeps
@@ -140,14 +161,22 @@ def main(argv: list[str], log: Log | None = None) -> int:
         except Exception as e:  # never fail the boot; the providers still get their units
             log(f"Failed to generate the router's settings: {e}")
         try:
+            # Before the manifests are read: a change from here on makes a record not match.
+            taken = early_record.snapshot([str(d) for d in paths.manifest_dirs()])
             found, rendering = manifests.discover_rendered()  # each file is its own boundary
         except Exception as e:  # never fail the boot
             log(f"Failed to read manifests: {e}")
             return 0
         for line in skipped_lines(found.problems):
             log(line)
-        for line in generate(list(found.providers.values()), out, rendering):
+        providers = list(found.providers.values())
+        for line in generate(providers, out, rendering):
             log(line)
+        try:
+            for line in generate_early(providers, out, taken):
+                log(line)
+        except Exception as e:  # the early start then validates each manifest itself
+            log(f"Failed to write the early start's records: {e}")
         return 0
     finally:
         log.close()

@@ -1,0 +1,213 @@
+"""The generator's record of what the early start needs (agent.systemd.early_record): what it
+holds, that the early start decides from it exactly as from the manifest, and every change
+that makes it not count (the early start then validates the manifest itself)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from agent.front import early
+from agent.spec import apikeys
+from agent.systemd import early_record, generator
+from tests.fakes.fake_bus import FakeBus
+from tests.unit.test_early_start import GPU, HOST, PRIVATE, add, said, systemd
+from tests.unit.test_early_start import host as host
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def generated(host: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The early start's host (test_early_start's `host`), with a generator directory."""
+    out = host / "generator"
+    monkeypatch.setenv("PROVIDERD_GENERATOR_DIR", str(out))
+    return out
+
+
+def generate(host: Path, out: Path) -> None:
+    kmsg = host / "kmsg"
+    kmsg.write_text("")
+    assert generator.main([str(out)], generator.Log(kmsg=str(kmsg))) == 0
+    assert kmsg.read_text() == ""
+
+
+def manifest(host: Path, slug: str) -> Path:
+    return host / "providers" / f"{slug}.toml"
+
+
+def begin(host: Path, slug: str, monkeypatch: pytest.MonkeyPatch) -> tuple[early.Early, FakeBus]:
+    """The early start as the front's unit runs it (PROVIDERD_MANIFEST from its drop-in)."""
+    monkeypatch.setenv("PROVIDERD_MANIFEST", str(manifest(host, slug)))
+    (host / "bus").unlink(missing_ok=True)
+    bus = FakeBus(host / "bus", systemd())
+    got = early.begin([slug])
+    bus.thread.join(5)
+    return got, bus
+
+
+def test_records_are_written_for_the_starts_the_front_decides(host: Path, generated: Path) -> None:
+    add(host, "h", HOST)
+    add(host, "g", GPU)
+    add(host, "p", PRIVATE)
+    generate(host, generated)
+    assert sorted(os.listdir(generated / early_record.DIRECTORY)) == ["g", "h"]
+    fields = early_record.read("g", str(manifest(host, "g")))
+    assert fields is not None
+    assert (fields["gpu"], fields["gpu_count"], fields["vram_budget_gb"]) == ("auto", "1", "4.0")
+    assert fields["headroom"] == str(1024**3)  # providerd.toml's default: there is none
+    h = early_record.read("h", str(manifest(host, "h")))
+    assert h is not None and h["port"] == "0" and h["host"].startswith("127.")
+
+
+@pytest.mark.parametrize("slug", ["h", "g"])
+def test_the_record_decides_as_the_manifest_does(
+    host: Path, generated: Path, monkeypatch: pytest.MonkeyPatch, slug: str
+) -> None:
+    add(host, slug, HOST if slug == "h" else GPU)
+    generate(host, generated)
+    got, bus = begin(host, slug, monkeypatch)
+    assert got.start is not None and got.start.from_record, said(got)
+    assert got.provider is None  # the front validates the manifest in full, after StartUnit
+    assert "record" in got.start.describe()
+    from_record = (got.start.env, got.start.devices, [m.member for m in bus.calls])
+    if got.start.admitted is not None:
+        got.start.admitted.release()
+    os.unlink(early_record.record_path(slug))
+    again, bus = begin(host, slug, monkeypatch)
+    assert again.start is not None and not again.start.from_record
+    assert again.provider is not None
+    assert from_record[0]["PROVIDERD_WORKER_PORT"] == str(got.start.port)
+    assert without_port(from_record[0]) == without_port(again.start.env)
+    assert from_record[1:] == (again.start.devices, [m.member for m in bus.calls])
+
+
+def without_port(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k != "PROVIDERD_WORKER_PORT"}
+
+
+def touch(path: Path) -> None:
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
+
+
+def rewrite(path: Path) -> None:
+    text = path.read_text()
+    path.unlink()
+    path.write_text(text)
+    path.chmod(0o644)
+
+
+CHANGES: dict[str, Callable[[Path], None]] = {
+    "edited": lambda host: manifest(host, "h").write_text(HOST.replace("18242", "18249")),
+    "touched": lambda host: touch(manifest(host, "h")),
+    "replaced": lambda host: rewrite(manifest(host, "h")),
+    "chmod": lambda host: manifest(host, "h").chmod(0o640),
+    "directory": lambda host: (host / "providers" / "other.toml").write_text(""),
+    "providerd.toml": lambda host: (host / "providerd.toml").write_text("[gpu]\n"),
+    "record writable": lambda host: os.chmod(early_record.record_path("h"), 0o666),
+    "record garbled": lambda host: Path(early_record.record_path("h")).write_text("nonsense\n"),
+    "record removed": lambda host: os.unlink(early_record.record_path("h")),
+    "other manifest": lambda host: os.environ.__setitem__(
+        "PROVIDERD_MANIFEST", str(host / "providers" / "x.toml")
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_record_counts_only_while_its_files_are_as_they_were(
+    host: Path, generated: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    add(host, "h", HOST)
+    generate(host, generated)
+    monkeypatch.setenv("PROVIDERD_MANIFEST", str(manifest(host, "h")))
+    assert early_record.read("h", str(manifest(host, "h"))) is not None
+    CHANGES[change](host)
+    assert early_record.read("h", os.environ["PROVIDERD_MANIFEST"]) is None
+
+
+def test_a_record_owned_by_someone_else_does_not_count(
+    host: Path, generated: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    add(host, "h", HOST)
+    generate(host, generated)
+    monkeypatch.setenv("PROVIDERD_TRUSTED_UID", str(os.getuid() + 1))
+    if os.getuid() == 0:
+        os.chown(early_record.record_path("h"), 2, 2)  # neither root nor the trusted uid
+    assert early_record.read("h", str(manifest(host, "h"))) is None
+
+
+def test_a_changed_manifest_is_decided_from_itself(
+    host: Path, generated: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    add(host, "h", HOST)
+    generate(host, generated)
+    add(host, "h", PRIVATE)  # now a provider systemd starts beside its front
+    got, bus = begin(host, "h", monkeypatch)
+    assert got.start is None and got.provider is not None
+    assert [m.member for m in bus.calls] == []
+    bus.server.close()
+
+
+def test_a_file_changed_while_the_generator_reads_it_never_matches(
+    host: Path, generated: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stat is taken before the manifests are read: an edit in between makes the record
+    not match, rather than describe the old content with the new file's stat."""
+    add(host, "h", HOST)
+    real = generator.manifests.discover_rendered
+
+    def edit_then_read() -> object:
+        touch(manifest(host, "h"))
+        return real()
+
+    monkeypatch.setattr(generator.manifests, "discover_rendered", edit_then_read)
+    generate(host, generated)
+    assert os.path.exists(early_record.record_path("h"))
+    assert early_record.read("h", str(manifest(host, "h"))) is None
+
+
+@pytest.mark.parametrize("what", ["absent", "file", "directory"])
+def test_keys_on_is_apikeys_own_test(host: Path, what: str) -> None:
+    path = host / "keys.toml"
+    if what == "file":
+        path.write_text("")
+    if what == "directory":
+        path.mkdir()
+    assert early.keys_on(str(path)) == apikeys.keys_on(path)
+
+
+def test_deciding_from_the_record_imports_no_validation(
+    host: Path, generated: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The point of the record: on the way to StartUnit, none of the manifest's validation
+    (nor logging, nor TOML) is imported."""
+    add(host, "h", HOST)
+    generate(host, generated)
+    monkeypatch.setenv("PROVIDERD_MANIFEST", str(manifest(host, "h")))
+    bus = FakeBus(host / "bus", systemd())
+    code = (
+        "import sys; from agent.front import early; got = early.begin(['h']); "
+        "import json; print(json.dumps([got.start is not None and got.start.from_record, "
+        "sorted(sys.modules)]))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    bus.thread.join(5)
+    decided, modules = json.loads(r.stdout)
+    assert decided, r.stderr
+    heavy = {"agent.spec.manifest", "agent.spec.values", "agent.systemd.units", "tomllib"}
+    assert heavy.isdisjoint(modules) and "logging" not in modules
