@@ -18,15 +18,15 @@ size, mtime or ctime than when it was written (an edit, a replacement, a chmod o
 changes one of them), or a file then absent that exists now; anything else unexpected in
 it. Its format is lines of `key value`, so reading it needs no parser module.
 
-Kept light: only `os` (and `typing`, which the bus client imports anyway) at import, since
-it runs before most of the standard library is loaded.
+Kept light: only `os` at import, since it runs before most of the standard library is
+loaded.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
+TYPE_CHECKING = False  # not typing's: its import costs milliseconds (mypy reads this as it)
 if TYPE_CHECKING:
     from agent.spec.provider import Provider
 

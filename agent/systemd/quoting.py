@@ -9,17 +9,30 @@ the manifest's checks let through. `exec_word`, `environment_assignment` and
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
 
 from agent.errors import ProviderdError
 
+TYPE_CHECKING = False  # not typing's: the front's early start writes worker.env with this
+if TYPE_CHECKING:  # module, and typing and dataclasses cost milliseconds to import there
+    from collections.abc import Mapping
 
-@dataclass(frozen=True)
+
 class Link:
     """A file the generator writes as a symbolic link to `target` (the rest are text)."""
 
-    target: str
+    __slots__ = ("target",)
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Link) and other.target == self.target
+
+    def __hash__(self) -> int:
+        return hash((Link, self.target))
+
+    def __repr__(self) -> str:
+        return f"Link(target={self.target!r})"
 
 
 # (section, directive, value exactly as written in the file)

@@ -4,8 +4,8 @@ A front whose start it decides itself (a GPU placement, a port chosen per start)
 PID 1 for the worker's start as its very first work: one connection to the system bus
 (SASL EXTERNAL), `Hello`, the method calls, their replies. The event loop and dbus-next
 come after (`agent.systemd.bus`, which then follows the job this connection started).
-Nothing here imports more than `os`, `socket`, `struct` and `agent.errors`: each import is paid on the way
-to `StartUnit`.
+Nothing here imports more than `os`, `socket`, `struct` and `agent.errors` (not even
+`typing`): each import is paid on the way to `StartUnit`.
 
 The marshalling is the D-Bus specification's (little-endian out, either endianness in), for
 the types systemd's calls need (`y b n q i u x t d s o g a ( ) { } v`); a variant is a
@@ -17,10 +17,13 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from collections.abc import Sequence
-from typing import Any, NamedTuple
 
 from agent.errors import ProviderdError
+
+TYPE_CHECKING = False  # not typing's: its import costs milliseconds (mypy reads this as it)
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import Any
 
 SYSTEM_BUS = "unix:path=/run/dbus/system_bus_socket"
 BUS_NAME = "org.freedesktop.DBus"
@@ -39,9 +42,25 @@ _ALIGN |= {"s": 4, "o": 4, "g": 1, "a": 4, "(": 8, "{": 8, "v": 1}
 MAX_MESSAGE = 1 << 27  # the specification's limit
 
 
-class Variant(NamedTuple):
-    signature: str
-    value: Any
+class Variant:
+    """A D-Bus variant: its signature and its value. (A plain class, not a NamedTuple: the
+    typing module is not imported on the way to StartUnit.)"""
+
+    __slots__ = ("signature", "value")
+
+    def __init__(self, signature: str, value: Any) -> None:
+        self.signature = signature
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Variant):
+            return NotImplemented
+        return (self.signature, self.value) == (other.signature, other.value)
+
+    __hash__ = None  # type: ignore[assignment]  # its value may be a list
+
+    def __repr__(self) -> str:
+        return f"Variant({self.signature!r}, {self.value!r})"
 
 
 class BusError(ProviderdError):
@@ -203,11 +222,26 @@ def message(
     return bytes(w.buf) + body
 
 
-class Message(NamedTuple):
-    kind: int
-    serial: int
-    fields: dict[int, Any]
-    body: tuple[Any, ...]
+class Message:
+    """One message as read: its type, serial, header fields and body."""
+
+    __slots__ = ("body", "fields", "kind", "serial")
+
+    def __init__(
+        self, kind: int, serial: int, fields: dict[int, Any], body: tuple[Any, ...]
+    ) -> None:
+        self.kind, self.serial, self.fields, self.body = kind, serial, fields, body
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Message):
+            return NotImplemented
+        mine = (self.kind, self.serial, self.fields, self.body)
+        return mine == (other.kind, other.serial, other.fields, other.body)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Message({self.kind!r}, {self.serial!r}, {self.fields!r}, {self.body!r})"
 
 
 def _endian(head: bytes) -> str:
