@@ -302,9 +302,9 @@ def _begin(slug: str, early: Early, began: float) -> None:
         if decision is None:
             return
     loaded = time.perf_counter()
-    from agent.spec import paths
+    from agent.spec import locations
 
-    if keys_on(str(paths.keys_file())) or os.path.lexists(paths.backoff_file(slug)):
+    if keys_on(locations.keys_file()) or os.path.lexists(locations.backoff_file(slug)):
         return  # a request whose key may start it decides; the saved backoff may refuse
     from agent.systemd.names import worker_unit
 
@@ -325,9 +325,9 @@ def _begin(slug: str, early: Early, began: float) -> None:
             gpu_env, devices = worker_env(admitted.placement), device_allow(admitted.placement)
         env = worker_environment(port, decision.host, gpu_env)
         from agent.atomic import write_atomic
-        from agent.systemd.quoting import environment_file
+        from agent.systemd.envfile import environment_file
 
-        write_atomic(paths.worker_env_file(slug), environment_file(env))
+        write_atomic(locations.worker_env_file(slug), environment_file(env))
         decided = time.perf_counter()
         job, set_devices = _start(worker_unit(slug), devices)
     except _Unanswered as e:

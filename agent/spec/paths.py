@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from agent.spec import locations
+
 MANIFEST_DIRS = (Path("/etc/providerd/providers"), Path("/usr/lib/providerd/providers"))
 CONFIG = Path("/etc/providerd/providerd.toml")
-RUNTIME_DIR = Path("/run/providerd")
+RUNTIME_DIR = Path(locations.RUNTIME_DIR)
 STATE_DIR = Path("/var/lib/providerd")
-KEYS = Path("/etc/providerd/keys.toml")
+KEYS = Path(locations.KEYS)
 
 
 def manifest_dirs() -> list[Path]:
@@ -26,11 +28,11 @@ def config_file() -> Path:
 
 def keys_file() -> Path:
     """The API keys file; its existence turns keys on (agent.spec.apikeys)."""
-    return Path(os.environ.get("PROVIDERD_KEYS", KEYS))
+    return Path(locations.keys_file())
 
 
 def runtime_dir() -> Path:
-    return Path(os.environ.get("PROVIDERD_RUNTIME_DIR", RUNTIME_DIR))
+    return Path(locations.runtime_dir())
 
 
 def state_dir() -> Path:
@@ -46,23 +48,17 @@ def control_socket(slug: str) -> Path:
 
 
 def worker_env_file(slug: str) -> Path:
-    return provider_runtime_dir(slug) / "worker.env"
+    return Path(locations.worker_env_file(slug))
 
 
 def backoff_file(slug: str) -> Path:
-    """The front's backoff after a failed start, kept between activations (beside, not in,
-    the provider's runtime directory, which goes with the front); while it exists,
-    `ConditionPathExists=!` keeps systemd from starting the worker with the front."""
-    return runtime_dir() / f"{slug}.backoff"
+    """The front's backoff after a failed start (`locations.backoff_file`)."""
+    return Path(locations.backoff_file(slug))
 
 
 def trusted_uids() -> frozenset[int]:
     """Owners a manifest may have: root, plus PROVIDERD_TRUSTED_UID if set (for tests)."""
-    uids = {0}
-    value = os.environ.get("PROVIDERD_TRUSTED_UID", "").strip()
-    if value.isascii() and value.isdigit():
-        uids.add(int(value))
-    return frozenset(uids)
+    return locations.trusted_uids()
 
 
 def preload_record(slug: str) -> Path:

@@ -18,13 +18,15 @@ size, mtime or ctime than when it was written (an edit, a replacement, a chmod o
 changes one of them), or a file then absent that exists now; anything else unexpected in
 it. Its format is lines of `key value`, so reading it needs no parser module.
 
-Kept light: only `os` at import, since it runs before most of the standard library is
+Kept light: only `os` (and `agent.spec.locations`) at import, since it runs before most of the standard library is
 loaded.
 """
 
 from __future__ import annotations
 
 import os
+
+from agent.spec import locations
 
 TYPE_CHECKING = False  # not typing's: its import costs milliseconds (mypy reads this as it)
 if TYPE_CHECKING:
@@ -125,14 +127,6 @@ def render(
     return "\n".join(lines) + "\n"
 
 
-def _trusted_uids() -> set[int]:
-    uids = {0}  # as agent.spec.paths.trusted_uids, without its imports
-    value = os.environ.get("PROVIDERD_TRUSTED_UID", "").strip()
-    if value.isascii() and value.isdigit():
-        uids.add(int(value))
-    return uids
-
-
 def _text(path: str) -> str | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -140,7 +134,7 @@ def _text(path: str) -> str | None:
         return None
     try:
         st = os.fstat(fd)
-        if (st.st_mode & 0o170000) != 0o100000 or st.st_uid not in _trusted_uids():
+        if (st.st_mode & 0o170000) != 0o100000 or st.st_uid not in locations.trusted_uids():
             return None
         if st.st_mode & 0o022 or st.st_size > MAX_BYTES:
             return None

@@ -3,36 +3,23 @@
 A line break in a value would start a new directive and a trailing backslash would
 swallow the next line: `assignment` and `comment` refuse both (`Unrenderable`), whatever
 the manifest's checks let through. `exec_word`, `environment_assignment` and
-`escape_specifiers` quote for ExecStart=, Environment= and every other directive.
+`escape_specifiers` quote for ExecStart=, Environment= and every other directive
+(an EnvironmentFile='s text is `agent.systemd.envfile`'s).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from agent.errors import ProviderdError
 
-TYPE_CHECKING = False  # not typing's: the front's early start writes worker.env with this
-if TYPE_CHECKING:  # module, and typing and dataclasses cost milliseconds to import there
-    from collections.abc import Mapping
 
-
+@dataclass(frozen=True)
 class Link:
     """A file the generator writes as a symbolic link to `target` (the rest are text)."""
 
-    __slots__ = ("target",)
-
-    def __init__(self, target: str) -> None:
-        self.target = target
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Link) and other.target == self.target
-
-    def __hash__(self) -> int:
-        return hash((Link, self.target))
-
-    def __repr__(self) -> str:
-        return f"Link(target={self.target!r})"
+    target: str
 
 
 # (section, directive, value exactly as written in the file)
@@ -151,12 +138,3 @@ def one_line(text: str) -> str:
 
 def seconds(value: float) -> str:
     return f"{int(value)}s" if float(value).is_integer() else f"{value:g}s"
-
-
-def environment_file(env: Mapping[str, str]) -> str:
-    """An EnvironmentFile='s text: each value double-quoted, `\\`, `"` and `$` escaped."""
-    lines = []
-    for key, value in env.items():
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
-        lines.append(f'{key}="{escaped}"\n')
-    return "".join(lines)

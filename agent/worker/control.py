@@ -35,8 +35,8 @@ from agent.spec import paths
 from agent.spec.files import write_atomic
 from agent.spec.provider import Address, Ready
 from agent.systemd.bus import Systemd
+from agent.systemd.envfile import environment_file
 from agent.systemd.names import worker_unit
-from agent.systemd.quoting import environment_file
 from agent.systemd.syncbus import same_device_rules
 from agent.worker import wrapper as worker
 from agent.worker.readiness import until_answers

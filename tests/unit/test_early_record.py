@@ -187,18 +187,19 @@ def test_deciding_from_the_record_imports_no_validation(
     host: Path, generated: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The point of the record: on the way to StartUnit, none of the manifest's validation
-    (nor logging, TOML, typing or dataclasses) is imported."""
+    (nor logging, TOML, typing, dataclasses, pathlib, tempfile or re) is imported."""
     add(host, "h", HOST)
     generate(host, generated)
     monkeypatch.setenv("PROVIDERD_MANIFEST", str(manifest(host, "h")))
     bus = FakeBus(host / "bus", systemd())
     code = (
         "import sys; from agent.front import early; got = early.begin(['h']); "
-        "import json; print(json.dumps([got.start is not None and got.start.from_record, "
-        "sorted(sys.modules)]))"
+        "modules = sorted(sys.modules); import json; "
+        "print(json.dumps([got.start is not None and got.start.from_record, modules]))"
     )
     r = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-S", "-c", code],  # -S: what site imports (an editable install's
+        # finder imports pathlib and re) is not the early start's
         cwd=REPO,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
         capture_output=True,
@@ -210,5 +211,5 @@ def test_deciding_from_the_record_imports_no_validation(
     decided, modules = json.loads(r.stdout)
     assert decided, r.stderr
     heavy = {"agent.spec.manifest", "agent.spec.values", "agent.systemd.units", "tomllib"}
-    heavy |= {"logging", "typing", "dataclasses"}  # milliseconds each, for nothing here
+    heavy |= {"logging", "typing", "dataclasses", "pathlib", "tempfile", "re"}  # ms each
     assert heavy.isdisjoint(modules), sorted(heavy & set(modules))

@@ -1,0 +1,40 @@
+"""The locations the front's early start needs, as strings and with `os` alone
+(`pathlib` costs milliseconds to import on the way to the worker's StartUnit).
+`agent.spec.paths` gives the same locations as `Path`s, from these."""
+
+from __future__ import annotations
+
+import os
+
+RUNTIME_DIR = "/run/providerd"
+KEYS = "/etc/providerd/keys.toml"
+
+
+def keys_file() -> str:
+    """The API keys file; its existence turns keys on (agent.spec.apikeys)."""
+    return os.environ.get("PROVIDERD_KEYS", KEYS)
+
+
+def runtime_dir() -> str:
+    return os.environ.get("PROVIDERD_RUNTIME_DIR", RUNTIME_DIR)
+
+
+def worker_env_file(slug: str) -> str:
+    return os.path.join(runtime_dir(), slug, "worker.env")
+
+
+def backoff_file(slug: str) -> str:
+    """The front's backoff after a failed start, kept between activations (beside, not in,
+    the provider's runtime directory, which goes with the front); while it exists,
+    `ConditionPathExists=!` keeps systemd from starting the worker with the front."""
+    return os.path.join(runtime_dir(), f"{slug}.backoff")
+
+
+def trusted_uids() -> frozenset[int]:
+    """Owners a manifest (or the generator's record of one) may have: root, plus
+    PROVIDERD_TRUSTED_UID if set (for tests)."""
+    uids = {0}
+    value = os.environ.get("PROVIDERD_TRUSTED_UID", "").strip()
+    if value.isascii() and value.isdigit():
+        uids.add(int(value))
+    return frozenset(uids)
