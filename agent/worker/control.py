@@ -181,6 +181,28 @@ class SystemdWorker:
                 await self.systemd.set_properties(
                     self.unit, [("DeviceAllow", "a(ss)", []), ("DeviceAllow", "a(ss)", rules)]
                 )
+        try:
+            await self._start_job(adopted, env)
+        except StartFailed:
+            if not await self._failed_at_cgroup():
+                raise
+            # PID 1 could not move the worker's first process into the unit's cgroup, before
+            # anything of the model ran: a race in systemd 252's legacy (hybrid) cgroup
+            # hierarchy, seen when the start comes tens of milliseconds after the front's
+            # activation skipped the worker (its condition). A new start goes through.
+            await self._start_job(None, env)
+
+    async def _failed_at_cgroup(self) -> bool:
+        """Whether the failed start failed at systemd's CGROUP step (status 219)."""
+        try:
+            result = await self.systemd.get(self.unit, "Service", "Result")
+            status = await self.systemd.get(self.unit, "Service", "ExecMainStatus")
+        except Exception:
+            return False
+        return bool(result == "exit-code" and status == _CGROUP_STATUS)
+
+    async def _start_job(self, adopted: _Adopted | None, env: Mapping[str, str]) -> None:
+        """The start job (or the adopted one) until the model answers; raises StartFailed."""
         if self._with_front:
             self._with_front = False
             await self._failed_with_front()
@@ -350,10 +372,12 @@ class SystemdWorker:
 
 # systemd's own exit statuses for a unit that failed before its command ran
 # (systemd.exec(5), "Process Exit Codes"): the common ones, by the name systemd logs.
+_CGROUP_STATUS = 219
 _SETUP_STATUS = {
     200: "CHDIR (the working directory)",
     203: "EXEC (the command cannot be run: does the program exist?)",
     217: "USER",
+    _CGROUP_STATUS: "CGROUP (systemd could not put the process into the unit's cgroup)",
     226: "NAMESPACE (the sandbox's mounts: a path it binds may be missing)",
     243: "CREDENTIALS (a credential file cannot be read)",
 }

@@ -174,6 +174,36 @@ def test_a_job_over_before_the_front_follows_it_leaves_the_units_state_to_decide
         asyncio.run(go())
 
 
+class CgroupRace(FakeSystemd):
+    """PID 1 failing the worker's first start at its CGROUP step (status 219), then not."""
+
+    async def _run_start(self, name: str) -> str:
+        result = await super()._run_start(name)
+        self.unit(name).behaviour = Behaviour()
+        return result
+
+
+def test_a_start_failed_at_systemds_cgroup_step_is_asked_for_once_more() -> None:
+    fake = CgroupRace()
+    worker = make(fake, result="exit-code", status=219)
+
+    async def go() -> None:
+        worker.adopt(fake.start_elsewhere(UNIT), ENV, None)
+        await worker.start(dict(ENV), None)
+
+    asyncio.run(go())
+    assert [c[0] for c in fake.calls if c[0] in ("follow", "start")] == ["follow", "start"]
+    assert fake.unit(UNIT).active == "active"
+
+
+def test_a_start_failing_at_the_cgroup_step_twice_fails_with_the_step_named() -> None:
+    fake = FakeSystemd()
+    worker = make(fake, result="exit-code", status=219)
+    with pytest.raises(StartFailed, match="219/CGROUP"):
+        asyncio.run(worker.start({}, None))
+    assert [c for c in fake.calls if c[0] == "start"] == [("start", UNIT)] * 2
+
+
 def test_crash_after_ready_is_reported_once_with_reason() -> None:
     fake = FakeSystemd()
     worker = make(fake)
