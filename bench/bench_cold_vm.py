@@ -9,7 +9,9 @@ request → first response byte, minus the direct start. The GPU provider's star
 front's to decide (placement on the fake cards of agent.gpu.nvml.DirNvml, worker.env,
 DeviceAllow= over D-Bus, then StartUnit); the CPU provider's worker systemd starts beside
 the front. The model's own stamps split each round: the connection → the model's first
-line ("to model"), its own start, its listening → the first response byte ("after").
+line ("to model"), its own start, its listening → the first response byte ("after"); and
+per round, the GPU provider's added time less the CPU provider's: what the GPU decision
+costs beyond a CPU start there.
 
     python3 bench/bench_cold_vm.py [--deb dist/providerd_0.1.0_all.deb] [--rounds N] [--load S]
 
@@ -181,6 +183,7 @@ def main() -> int:
     added: dict[str, list[float]] = {}
     parts: dict[str, list[tuple[float, float, float]]] = {}
     cpus: dict[str, list[tuple[float, float]]] = {}
+    by_round: dict[int, dict[str, float]] = {}
     for i in range(args.rounds):
         for slug in PROVIDERS:
             x = boot.checks.get(f"round-{i + 1}-{slug}")
@@ -189,6 +192,7 @@ def main() -> int:
                 continue
             a = (x["cold"] - x["direct"]) * 1000
             added.setdefault(slug, []).append(a)
+            by_round.setdefault(i, {})[slug] = a
             split = ""
             if x.get("stamps"):
                 started, listens, model_cpu = x["stamps"]
@@ -205,6 +209,16 @@ def main() -> int:
                 f"{i + 1:>5} {slug:>8} {x['direct'] * 1000:>10.1f} {x['cold'] * 1000:>9.1f} "
                 f"{a:>9.1f}{split}"
             )
+    # What the GPU decision costs beyond a CPU start, round by round in the same VM: the
+    # front's decision (placement, worker.env, DeviceAllow=, StartUnit) against systemd
+    # starting the worker beside the front.
+    gpu_over = [r["coldgpu"] - r["coldcpu"] for r in by_round.values() if len(r) == 2]
+    if gpu_over:
+        out.append(
+            "coldgpu - coldcpu added, per round: "
+            + ", ".join(f"{d:+.1f}" for d in gpu_over)
+            + f" ms (median {statistics.median(gpu_over):+.1f} ms)"
+        )
     for slug, values in added.items():
         target = " (target: median <= 60 ms)" if slug == "coldgpu" else ""
         medians = [statistics.median(p[i] for p in parts.get(slug, [(0, 0, 0)])) for i in range(3)]

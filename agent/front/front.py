@@ -1,6 +1,7 @@
 """The activated agent ("front"): holds connections, starts the worker once, proxies, releases.
 
-`Front` is the same object under systemd (`python3 -m agent.front SLUG`, socket-activated)
+`Front` is the same object under systemd (`python3 -m agent.front SLUG`, which the unit runs as
+`python3 -c "import agent.front.__main__" SLUG`, socket-activated)
 and in the foreground (`providerctl serve`). One task owns the state (`agent.front.state`);
 connections, timers and control requests only send it events.
 
