@@ -231,7 +231,11 @@ def test_templates_carry_the_decided_settings() -> None:
         assert entry in socket
     for entry in [
         ("Service", "Type", "notify"),
-        ("Service", "ExecStart", "/usr/bin/python3 -m agent.front %i"),
+        ("Service", "ExecStart", '/usr/bin/python3 -c "import agent.front.__main__" %i'),
+        # /sys read-only, and no tunable of /proc's left in its /proc: together what
+        # ProtectKernelTunables= would do, cheaper.
+        ("Service", "ReadOnlyPaths", "/sys"),
+        ("Service", "ProcSubset", "pid"),
         ("Unit", "Wants", "provider-worker@%i.service"),
         ("Service", "CapabilityBoundingSet", ""),
         ("Service", "PrivateNetwork", "yes"),
