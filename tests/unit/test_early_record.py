@@ -213,3 +213,16 @@ def test_deciding_from_the_record_imports_no_validation(
     heavy = {"agent.spec.manifest", "agent.spec.values", "agent.systemd.units", "tomllib"}
     heavy |= {"logging", "typing", "dataclasses", "pathlib", "tempfile", "re"}  # ms each
     assert heavy.isdisjoint(modules), sorted(heavy & set(modules))
+
+
+@pytest.mark.parametrize(("devices", "card"), [("[1]", "GPU-b")])
+def test_a_pinned_card_is_placed_from_the_record_as_from_the_manifest(
+    host: Path, generated: Path, monkeypatch: pytest.MonkeyPatch, devices: str, card: str
+) -> None:
+    add(host, "g", GPU.replace('devices = "auto"', f"devices = {devices}"))
+    generate(host, generated)
+    got, _bus = begin(host, "g", monkeypatch)
+    assert got.start is not None and got.start.from_record, said(got)
+    assert got.start.admitted is not None
+    assert got.start.admitted.placement.uuids == (card,)
+    assert got.start.env["CUDA_VISIBLE_DEVICES"] == card
