@@ -295,16 +295,22 @@ def main() -> int:
         "favordynmods gives)",
     )
     ap.add_argument(
+        "--front-dropin",
+        default="",
+        help="the same for the front's unit (e.g. '[Service]\\nPrivateDevices=no')",
+    )
+    ap.add_argument(
         "--ab",
         action="store_true",
-        help="with --worker-dropin or --warm-cgroups: alternate rounds without and with it, "
+        help="with a drop-in or --warm-cgroups: alternate rounds without and with it, "
         "in one container",
     )
     args = ap.parse_args()
-    if args.ab and not (args.worker_dropin or args.warm_cgroups):
-        ap.error("--ab needs --worker-dropin or --warm-cgroups")
-    if args.ab and args.worker_dropin and args.warm_cgroups:
-        ap.error("--ab compares one change: --worker-dropin or --warm-cgroups")
+    dropin = bool(args.worker_dropin or args.front_dropin)
+    if args.ab and not (dropin or args.warm_cgroups):
+        ap.error("--ab needs --worker-dropin, --front-dropin or --warm-cgroups")
+    if args.ab and dropin and args.warm_cgroups:
+        ap.error("--ab compares one change: a drop-in or --warm-cgroups")
     if os.geteuid() != 0:
         print("bench_cold_systemd: needs root (systemd-nspawn)", file=sys.stderr)
         return 2
@@ -316,13 +322,17 @@ def main() -> int:
     with installed(deb, base_tarball(), name, prepare, keep=args.keep) as ct:
         ct.write(f"/etc/providerd/providers/{SLUG}.toml", manifest(args.load, args.decided))
         ct.sh("providerctl reload")
-        dropin = f"/etc/systemd/system/provider-worker@{SLUG}.service.d/90-bench.conf"
+        dropins = {
+            f"/etc/systemd/system/provider-worker@{SLUG}.service.d/90-bench.conf": args.worker_dropin,
+            f"/etc/systemd/system/provider@{SLUG}.service.d/90-bench.conf": args.front_dropin,
+        }
 
         def use_dropin(on: bool) -> None:
-            if on:
-                ct.write(dropin, args.worker_dropin.replace("\\n", "\n") + "\n")
-            else:
-                ct.sh(f"rm -f {dropin}")
+            for dropin, text in dropins.items():
+                if on and text:
+                    ct.write(dropin, text.replace("\\n", "\n") + "\n")
+                else:
+                    ct.sh(f"rm -f {dropin}")
             ct.sh("systemctl daemon-reload")
 
         def client(n: int, warm: bool = False) -> list[dict[str, float]]:
@@ -337,7 +347,7 @@ def main() -> int:
                     ct.sh(f"kill {mover.strip()}; wait {mover.strip()} 2>/dev/null", check=False)
             return [json.loads(line) for line in r.out.splitlines() if line.startswith("{")]
 
-        if args.worker_dropin and not args.ab:
+        if dropin and not args.ab:
             use_dropin(True)
         ct.sh(f"systemctl start provider@{SLUG}.socket")
         client(1)  # one warm-up activation (page cache, bytecode), not counted
@@ -347,7 +357,7 @@ def main() -> int:
             changed = "warm cgroups" if args.warm_cgroups else "drop-in"
             for i in range(args.rounds):
                 for variant in ("shipped", changed):
-                    if args.worker_dropin:
+                    if dropin:
                         use_dropin(variant == changed)
                     since = ct.cursor()
                     (x,) = client(1, warm=variant == "warm cgroups")
@@ -358,6 +368,7 @@ def main() -> int:
         stamps = model_stamps(ct, first)
         version = ct.sh("systemctl --version | head -n 1", check=False).out.strip()
     extra = f", worker drop-in {args.worker_dropin!r}" if args.worker_dropin else ""
+    extra += f", front drop-in {args.front_dropin!r}" if args.front_dropin else ""
     if args.warm_cgroups:
         extra += ", a cgroup move every 4 ms meanwhile (--warm-cgroups)"
     if args.decided:
