@@ -226,3 +226,26 @@ def test_a_pinned_card_is_placed_from_the_record_as_from_the_manifest(
     assert got.start.admitted is not None
     assert got.start.admitted.placement.uuids == (card,)
     assert got.start.env["CUDA_VISIBLE_DEVICES"] == card
+
+
+@pytest.mark.parametrize("why", ["keys", "backoff"])
+def test_what_a_record_still_leaves_to_the_front(
+    host: Path, generated: Path, monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    """API keys on and a saved backoff leave the start to the front, whatever the record
+    says (as without one: tests/unit/test_early_start.py)."""
+    add(host, "h", HOST)
+    generate(host, generated)
+    if why == "keys":
+        (host / "keys.toml").write_text("")
+    if why == "backoff":
+        (host / "run").mkdir(exist_ok=True)
+        (host / "run" / "h.backoff").write_text("{}")
+    monkeypatch.setenv("PROVIDERD_MANIFEST", str(manifest(host, "h")))
+    bus = FakeBus(host / "bus", systemd())
+    got = early.begin(["h"])
+    assert got.start is None and got.provider is None, said(got)
+    assert not (host / "run" / "h" / "worker.env").exists()
+    bus.thread.join(0.1)
+    assert bus.calls == []  # nothing was asked of PID 1
+    bus.server.close()
