@@ -196,8 +196,10 @@ class Front:
         self.generation = 0
         # The worker's port: fixed, or 0 to pick a free one at each start (foreground mode).
         self.worker_port = provider.worker_port if worker_port is None else worker_port
-        # The port of the start asked for before this front's own start (agent.front.early).
+        # The port of the start asked for before this front's own start (agent.front.early),
+        # and what ends that start's adoption once the first attempt is over, however it ends.
         self.first_port: int | None = None
+        self.first_start_over: Callable[[], None] = lambda: None
         # A host-network worker listens on its own loopback address (units.worker_loopback).
         self.worker_host = worker_host(provider)
         self.address = Address(self.worker_host, self.worker_port)
@@ -551,6 +553,9 @@ class Front:
                 extra = {k: v for k, v in body.items() if k not in ("error", "message")}
             self._dispatch(Event.START_FAILED, reason, _Outcome(took, tuple(tail), extra))
             return
+        finally:
+            over, self.first_start_over = self.first_start_over, lambda: None
+            over()
         self._dispatch(Event.STARTED, outcome=_Outcome(loop.time() - began))
 
     def _note_ready(self, took: float) -> None:
@@ -839,6 +844,7 @@ async def run_systemd(slug: str, early: Early | None = None) -> int:
         front.restore_backoff(saved)
     if early.start is not None:
         front.first_port = early.start.port
+        front.first_start_over = worker.drop_adopted
     front.start_accepting()
     notify("READY=1")
     cause = preload.activation_cause(provider)

@@ -170,10 +170,19 @@ class SystemdWorker:
             return f"worker {what}: killed by signal {status}"
         return f"worker {what} (result: {result})"
 
+    def drop_adopted(self) -> None:
+        """The first start attempt is over, whatever its outcome (it may have failed before
+        it got here): no later start follows the adopted job."""
+        self._adopted = None
+
     async def start(self, env: Mapping[str, str], devices: DeviceRules | None) -> None:
         adopted, self._adopted = self._adopted, None
         if adopted is not None and (adopted.env, adopted.devices) != (dict(env), _rules(devices)):
-            adopted = None  # not the start asked for: this one is asked for as usual
+            # Decided otherwise: the adopted job (or the worker it started) runs with the
+            # other worker.env and card, and a StartUnit would join it. Stopped first.
+            adopted = None
+            if not self._stop_left_to_systemd:
+                await self.systemd.stop_unit(self.unit)
         if adopted is None:
             write_env_file(paths.worker_env_file(self.slug), env)
             if devices is not None and not await self._devices_are(devices):

@@ -50,6 +50,7 @@ class FakeSystemd:
         self.calls: list[tuple[str, str]] = []
         self._jobs: dict[str, asyncio.Task[str]] = {}
         self._next_job = 0
+        self._cancelled: set[int] = set()  # start jobs a stop replaced before they ran
 
     def unit(self, name: str) -> Unit:
         return self.units.setdefault(name, Unit(name))
@@ -87,12 +88,15 @@ class FakeSystemd:
     def _start_job_task(self, name: str) -> asyncio.Task[str]:
         unit = self.unit(name)
         unit.job = self._next_job = self._next_job + 1
-        task = asyncio.get_running_loop().create_task(self._run_start(name))
+        task = asyncio.get_running_loop().create_task(self._run_start(name, unit.job))
         self._jobs[name] = task
+        job = unit.job
 
-        def removed(_t: asyncio.Task[str]) -> None:
-            self._jobs.pop(name, None)
-            unit.job = 0
+        def removed(t: asyncio.Task[str]) -> None:
+            if self._jobs.get(name) is t:
+                self._jobs.pop(name, None)
+            if unit.job == job:
+                unit.job = 0
 
         task.add_done_callback(removed)
         return task
@@ -100,9 +104,11 @@ class FakeSystemd:
     async def _start_job(self, name: str) -> str:
         return await asyncio.shield(self._start_job_task(name))
 
-    async def _run_start(self, name: str) -> str:
+    async def _run_start(self, name: str, job: int = 0) -> str:
         unit = self.unit(name)
         b = unit.behaviour
+        if job in self._cancelled:
+            return "canceled"  # a stop replaced it before it ran
         if unit.active == "active":
             return "done"
         if b.condition_path is not None and not os.path.exists(b.condition_path):
@@ -110,7 +116,7 @@ class FakeSystemd:
         unit.starts += 1
         self._set(unit, "activating", "start")
         await asyncio.sleep(b.delay_s)
-        if unit.active != "activating":
+        if unit.active != "activating" or job in self._cancelled:
             return "canceled"  # stopped while starting
         unit.result, unit.status = b.result, b.status
         if b.result == "success":
@@ -122,6 +128,10 @@ class FakeSystemd:
     async def stop_unit(self, name: str) -> str:
         self.calls.append(("stop", name))
         unit = self.unit(name)
+        if name in self._jobs:  # "replace": the pending start job is cancelled
+            self._cancelled.add(unit.job)
+            self._jobs.pop(name)
+            unit.job = 0
         if unit.active in ("inactive", "failed"):
             return "done"
         self._set(unit, "deactivating", "stop-sigterm")

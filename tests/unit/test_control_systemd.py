@@ -160,6 +160,51 @@ def test_an_adoption_serves_one_start_and_only_the_start_it_was_asked_with(
     assert fake.unit(UNIT).properties["DeviceAllow"] == RULES
 
 
+def test_a_start_decided_otherwise_than_the_adopted_one_stops_it_first(runtime: Path) -> None:
+    """The early job still runs with its worker.env and card; a StartUnit would join it, and
+    the worker would keep the early decision while the front probes and accounts the new
+    one. The adopted start is stopped, then the worker is started as decided now."""
+    fake = FakeSystemd()
+    worker = make(fake, delay_s=0.05)
+    other = [("/dev/nvidiactl", "rw"), ("/dev/nvidia1", "rw")]
+
+    async def go() -> None:
+        worker.adopt(fake.start_elsewhere(UNIT), ENV, RULES)
+        await asyncio.sleep(0.01)  # the early job runs: the unit is activating
+        assert fake.unit(UNIT).active == "activating"
+        await worker.start({"PROVIDERD_WORKER_PORT": "4343"}, other)
+
+    asyncio.run(go())
+    assert [c[0] for c in fake.calls if c[0] != "set-property"] == [
+        "start-elsewhere",
+        "stop",
+        "start",
+    ]
+    assert fake.unit(UNIT).starts == 2  # the early start, stopped; the start decided now
+    assert fake.unit(UNIT).properties["DeviceAllow"] == other
+    assert 'PROVIDERD_WORKER_PORT="4343"' in (runtime / "demo" / "worker.env").read_text()
+
+
+def test_a_dropped_adoption_is_not_followed_by_a_later_start() -> None:
+    """The first start attempt failed before it reached the worker (the front calls
+    drop_adopted whatever the outcome): a later start with the same decision starts the
+    worker, rather than follow a job long over and report the unit inactive."""
+    fake = FakeSystemd()
+    worker = make(fake)
+
+    async def go() -> None:
+        job = fake.start_elsewhere(UNIT)
+        await asyncio.sleep(0.01)
+        await fake.stop_unit(UNIT)  # the early start's worker, gone since
+        worker.adopt(job, ENV, None)
+        worker.drop_adopted()
+        await worker.start(dict(ENV), None)
+
+    asyncio.run(go())
+    assert fake.unit(UNIT).active == "active"
+    assert [c[0] for c in fake.calls if c[0] in ("follow", "start")] == ["start"]
+
+
 def test_a_job_over_before_the_front_follows_it_leaves_the_units_state_to_decide() -> None:
     fake = FakeSystemd()
     worker = make(fake, condition_path="/nonexistent/worker.env")
@@ -177,8 +222,8 @@ def test_a_job_over_before_the_front_follows_it_leaves_the_units_state_to_decide
 class CgroupRace(FakeSystemd):
     """PID 1 failing the worker's first start at its CGROUP step (status 219), then not."""
 
-    async def _run_start(self, name: str) -> str:
-        result = await super()._run_start(name)
+    async def _run_start(self, name: str, job: int = 0) -> str:
+        result = await super()._run_start(name, job)
         self.unit(name).behaviour = Behaviour()
         return result
 

@@ -183,6 +183,31 @@ def test_a_hook_that_fails_after_a_failed_start_still_answers_the_held_requests(
     assert stopped
 
 
+def test_the_first_start_attempt_ends_the_early_starts_adoption_even_before_the_worker() -> None:
+    """An attempt that fails before it reaches worker.start (its admission, here) still
+    ends the adoption of the early start's job: a later start must not follow that job."""
+    from agent.front.hooks import Admission, Host
+
+    class Broken(Admission):
+        async def admit(self, host: Host) -> tuple[dict[str, str], None]:
+            raise OSError("the reservation could not be written")
+
+    async def go() -> tuple[bytes, list[str], int]:
+        sock = listener()
+        worker = InProcessWorker()
+        front = Front(provider(), worker, [sock], exit_on_idle=False, admission=Broken())
+        over: list[str] = []
+        front.first_start_over = lambda: over.append("over")
+        front.start_accepting()
+        answer = await asyncio.wait_for(get(sock.getsockname()[1]), 5)
+        await shutdown(front, worker)
+        return answer, over, worker.starts
+
+    answer, over, starts = asyncio.run(go())
+    assert answer.startswith(b"HTTP/1.1 503"), answer
+    assert (over, starts) == (["over"], 0)
+
+
 def test_systemctl_stop_while_the_worker_starts_cancels_the_start_and_exits() -> None:
     async def go() -> tuple[dict[str, object], int, int, bool, float]:
         sock = listener()
