@@ -75,6 +75,27 @@ class Early:
         self.records: list[Any] = []
         self._undo: Any = None  # puts logging back as it was, while records are held
 
+    def stale(self, provider: Provider) -> bool:
+        """Whether the start was decided from a record that says otherwise than `provider`,
+        the manifest as the front has loaded and validated it (a port, an address or a GPU
+        request changed within the record's check). Such a start is dropped here, its GPU
+        reservation released: the caller stops the worker, and the front's own start decides
+        afresh."""
+        start = self.start
+        if start is None or not start.from_record or start.request == request(provider):
+            return False
+        self.start = None
+        if start.admitted is not None:
+            start.admitted.release()
+        self.note(
+            WARNING,
+            "The generator's record of %s says otherwise than its manifest; stopping the "
+            "worker's early start, to start it as the manifest says",
+            self.slug,
+        )
+        self.replay()
+        return True
+
     def note(self, level: int, msg: str, *args: Any, exc: BaseException | None = None) -> None:
         self.records.append(Note(f"providerd.{self.slug}", level, msg, args, exc))
 
@@ -135,6 +156,7 @@ class Started:
         "job",
         "parts_ms",
         "port",
+        "request",
         "set_devices",
         "took_ms",
     )
@@ -152,10 +174,11 @@ class Started:
         parts_ms: tuple[float, float, float] = (0.0, 0.0, 0.0),
         set_devices: bool = False,  # DeviceAllow= had to change (SetUnitProperties: polkit)
         from_record: bool = False,  # decided from the generator's record, not the manifest
+        request: tuple[Any, ...] = (),  # what it was decided from (`request`)
     ) -> None:
         self.job, self.port, self.env, self.devices = job, port, env, devices
         self.admitted, self.took_ms, self.parts_ms = admitted, took_ms, parts_ms
-        self.set_devices, self.from_record = set_devices, from_record
+        self.set_devices, self.from_record, self.request = set_devices, from_record, request
 
     def describe(self) -> str:
         m, d, b = self.parts_ms
@@ -177,6 +200,24 @@ class _Decision:
         self.host = host
         self.gpu = gpu  # the provider as GPU admission sees it; None without a GPU
         self.headroom = headroom  # providerd.toml's GPU headroom; None: not read yet
+
+    def request(self) -> tuple[Any, ...]:
+        return _request(self.port, self.host, self.gpu)
+
+
+def _request(port: int, host: str, gpu: Provider | None) -> tuple[Any, ...]:
+    if gpu is None:
+        return (port, host, None)
+    return (port, host, (gpu.gpu_devices, gpu.gpu_count, gpu.vram_budget_gb, gpu.gpu_priority))
+
+
+def request(provider: Provider) -> tuple[Any, ...]:
+    """What a start is decided from, as the validated manifest says: the worker's port (0:
+    chosen at each start) and address, and the GPU request (None without a GPU)."""
+    from agent.systemd.units import worker_host
+
+    gpu = provider if provider.uses_gpu else None
+    return _request(provider.known_worker_port, worker_host(provider), gpu)
 
 
 def free_port() -> int:
@@ -335,7 +376,9 @@ def _begin(slug: str, early: Early, began: float) -> None:
         # port, the card and its reservation), so its StartUnit joins the same job.
         why = "Asked for the worker's start first, with no answer (%s); following it"
         early.note(INFO, why, e)
-        early.start = Started("", port, env, devices, admitted)
+        from_record, request = early.provider is None, decision.request()
+        early.start = Started("", port, env, devices, admitted, from_record=from_record)
+        early.start.request = request
         return
     except Exception as e:
         if admitted is not None:
@@ -346,7 +389,9 @@ def _begin(slug: str, early: Early, began: float) -> None:
     parts = ((loaded - began) * 1000, (decided - loaded) * 1000, (done - decided) * 1000)
     took = (done - began) * 1000
     from_record = early.provider is None
-    early.start = Started(job, port, env, devices, admitted, took, parts, set_devices, from_record)
+    early.start = Started(
+        job, port, env, devices, admitted, took, parts, set_devices, from_record, decision.request()
+    )
     early.note(INFO, "Asked for the worker's start first, %s", early.start.describe())
 
 

@@ -48,7 +48,7 @@ from agent.spec import apikeys, paths
 from agent.spec.apikeys import KeySet
 from agent.spec.provider import Address, Provider
 from agent.systemd import preload
-from agent.systemd.names import front_unit
+from agent.systemd.names import front_unit, worker_unit
 from agent.systemd.units import front_after_worker, worker_host
 from agent.worker.control import StartFailed, WorkerControl
 
@@ -814,9 +814,14 @@ async def run_systemd(slug: str, early: Early | None = None) -> int:
         return 1
     from agent.systemd.activation import inherited_listeners
 
+    stale = early.stale(provider)
     listeners = inherited_listeners()
     bus = DbusSystemd()
     await bus.connect()
+    if stale:
+        # A stale record costs a restart, never a wrong port or card.
+        with contextlib.suppress(Exception):  # the front's own start says what fails
+            await bus.stop_unit(worker_unit(slug))
     backoff_file = paths.backoff_file(slug)
     keys = apikeys.load()  # the credential providerd-keys, while the keys file exists
     apikeys.report(keys, log)

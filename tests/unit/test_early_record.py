@@ -249,3 +249,53 @@ def test_what_a_record_still_leaves_to_the_front(
     bus.thread.join(0.1)
     assert bus.calls == []  # nothing was asked of PID 1
     bus.server.close()
+
+
+def with_line(text: str, table: str, line: str) -> str:
+    """`text` with `line` (`key = value`) in `[table]`, in place of that key's own line."""
+    key = line.split(" ")[0]
+    kept = [x for x in text.splitlines(keepends=True) if not x.startswith(key + " ")]
+    at = kept.index(f"[{table}]\n") + 1
+    return "".join([*kept[:at], line + "\n", *kept[at:]])
+
+
+@pytest.mark.parametrize(
+    ("table", "line", "stale"),
+    [
+        ("gpu", "vram_budget_gb = 4", False),  # as recorded (an int, recorded 4.0)
+        ("gpu", "vram_budget_gb = 6", True),
+        ("gpu", 'devices = "auto"', False),
+        ("gpu", "devices = [1]", True),
+        ("gpu", "count = 2", True),
+        ("gpu", "priority = 5", True),
+        ("runtime", "worker_port = 9002", True),  # recorded 9001
+        ("isolation", 'network = "host"', True),  # another address (and port: chosen)
+    ],
+)
+def test_a_start_from_a_record_that_says_otherwise_than_the_loaded_manifest_is_dropped(
+    host: Path,
+    generated: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    table: str,
+    line: str,
+    stale: bool,
+) -> None:
+    """The front compares what the record decided from (the worker's port, its address, the
+    GPU request) with the manifest it loads and validates: any difference releases the
+    reservation and drops the start, which the front stops, so a stale record costs a
+    restart, never a wrong port or card."""
+    from agent.gpu.reservations import read_reservations
+    from agent.systemd.manifests import load
+
+    recorded = with_line(GPU, "runtime", "worker_port = 9001") + "[isolation]\n"
+    add(host, "g", recorded)
+    generate(host, generated)
+    got, _bus = begin(host, "g", monkeypatch)
+    assert got.start is not None and got.start.from_record, said(got)
+    assert [r.slug for r in read_reservations(host / "run")] == ["g"]
+    add(host, "g", with_line(recorded, table, line))
+    assert got.stale(load("g")) is stale
+    assert (got.start is None) is stale
+    assert (read_reservations(host / "run") == []) is stale
+    assert ("says otherwise than its manifest" in caplog.text) is stale
