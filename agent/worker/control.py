@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -50,10 +51,23 @@ class StartFailed(ProviderdError):
 
     code = "start_failed"
 
-    def __init__(self, reason: str, log_tail: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        reason: str,
+        log_tail: Sequence[str] = (),
+        *,
+        result: object = None,
+        status: object = None,
+        job_failed: bool = False,
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.log_tail = list(log_tail)
+        # systemd's Result= and ExecMainStatus= as read for this failure (None: not read),
+        # and whether this attempt's start job itself ended failed (not "done").
+        self.result = result
+        self.status = status
+        self.job_failed = job_failed
 
 
 class WorkerControl(Protocol):
@@ -150,14 +164,24 @@ class SystemdWorker:
             self._exit_task = asyncio.get_running_loop().create_task(self._report_exit())
 
     async def _report_exit(self) -> None:
-        self._on_exit(await self._failure_reason("exited"))
+        self._on_exit((await self._failure("exited"))[0])
 
-    async def _failure_reason(self, what: str) -> str:
+    async def _failed(self, *, job_failed: bool = False) -> StartFailed:
+        """The failed start, with why and what systemd's Result= and ExecMainStatus= say."""
+        reason, result, status = await self._failure("failed to start")
+        tail = await journal_tail(self.unit)
+        return StartFailed(reason, tail, result=result, status=status, job_failed=job_failed)
+
+    async def _failure(self, what: str) -> tuple[str, object, object]:
+        """Why the worker `what` (exited, failed to start), and Result=, ExecMainStatus=."""
         try:
             result = await self.systemd.get(self.unit, "Service", "Result")
             status = await self.systemd.get(self.unit, "Service", "ExecMainStatus")
         except Exception as e:  # the bus went away: say what we know
-            return f"worker {what} ({e})"
+            return f"worker {what} ({e})", None, None
+        return self._reason(what, result, status), result, status
+
+    def _reason(self, what: str, result: object, status: object) -> str:
         if result == "oom-kill":
             return f"worker {what}: killed by the kernel for exceeding its memory limit (oom-kill)"
         if result == "timeout":
@@ -192,23 +216,19 @@ class SystemdWorker:
                 )
         try:
             await self._start_job(adopted, env)
-        except StartFailed:
-            if not await self._failed_at_cgroup():
+        except StartFailed as e:
+            if not _failed_at_cgroup(e):
                 raise
-            # PID 1 could not move the worker's first process into the unit's cgroup, before
-            # anything of the model ran: a race in systemd 252's legacy (hybrid) cgroup
-            # hierarchy, seen when the start comes tens of milliseconds after the front's
-            # activation skipped the worker (its condition). A new start goes through.
+            # PID 1 could not move the worker's first process into the unit's cgroup: a race
+            # in systemd 252's legacy (hybrid) cgroup hierarchy, seen when the start comes
+            # tens of milliseconds after the front's activation skipped the worker (its
+            # condition). A new start goes through.
+            logging.getLogger(f"providerd.{self.slug}").warning(
+                "Worker's start failed at systemd's CGROUP step (status %s/CGROUP), "
+                "asking for it once more",
+                _CGROUP_STATUS,
+            )
             await self._start_job(None, env)
-
-    async def _failed_at_cgroup(self) -> bool:
-        """Whether the failed start failed at systemd's CGROUP step (status 219)."""
-        try:
-            result = await self.systemd.get(self.unit, "Service", "Result")
-            status = await self.systemd.get(self.unit, "Service", "ExecMainStatus")
-        except Exception:
-            return False
-        return bool(result == "exit-code" and status == _CGROUP_STATUS)
 
     async def _start_job(self, adopted: _Adopted | None, env: Mapping[str, str]) -> None:
         """The start job (or the adopted one) until the model answers; raises StartFailed."""
@@ -260,8 +280,7 @@ class SystemdWorker:
                     await asyncio.wait({watching})  # a cancel of ours must not cancel it
                 exited = self._exited = loop.create_future()
                 if await self.systemd.get(self.unit, "Unit", "ActiveState") != "active":
-                    reason = await self._failure_reason("failed to start")
-                    raise StartFailed(reason, await journal_tail(self.unit))
+                    raise await self._failed()
                 left = self.start_timeout_s - (loop.time() - began)
                 done, _ = await asyncio.wait(
                     {answered, exited},
@@ -269,8 +288,7 @@ class SystemdWorker:
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 if exited in done:
-                    reason = await self._failure_reason("failed to start")
-                    raise StartFailed(reason, await journal_tail(self.unit))
+                    raise await self._failed()
                 if answered in done and answered.exception() is None:
                     done = {answered}
                 elif answered in done:  # the probe broke: the running unit decides
@@ -304,15 +322,12 @@ class SystemdWorker:
             if not job.done():
                 job.add_done_callback(self._job_ended)
             return
-        result = job.result()
-        if result == "done":
-            active = await self.systemd.get(self.unit, "Unit", "ActiveState")
-            if active == "active":
+        if job.result() == "done":
+            if await self.systemd.get(self.unit, "Unit", "ActiveState") == "active":
                 self._running = True
                 return
-            result = f"unit is {active}"
-        reason = await self._failure_reason("failed to start")
-        raise StartFailed(reason, await journal_tail(self.unit))
+            raise await self._failed()  # done, and not active: its condition, say
+        raise await self._failed(job_failed=True)
 
     async def _devices_are(self, devices: DeviceRules) -> bool:
         """Whether the unit's DeviceAllow= is `devices` already (set so for an earlier start
@@ -353,8 +368,7 @@ class SystemdWorker:
         )
         job_id = job[0] if isinstance(job, (list, tuple)) and job else 0
         if active == "failed" and not job_id:
-            reason = await self._failure_reason("failed to start")
-            raise StartFailed(reason, await journal_tail(self.unit))
+            raise await self._failed()
 
     async def stop(self) -> None:
         self._running = False
@@ -390,6 +404,19 @@ _SETUP_STATUS = {
     226: "NAMESPACE (the sandbox's mounts: a path it binds may be missing)",
     243: "CREDENTIALS (a credential file cannot be read)",
 }
+
+
+def _failed_at_cgroup(e: StartFailed) -> bool:
+    """Whether this attempt's own start job failed at systemd's CGROUP step (status 219),
+    as read when it failed.
+
+    For a Type=exec worker that is proof the model never ran: its job ends "done" once the
+    exec succeeds, so a job that fails failed before it. For a Type=notify worker (the
+    wrapper, or a model that sends READY=1 itself) the job also fails when the process
+    exits before READY=1, and the wrapper exits with the model's own status: a model that
+    itself exits with 219 before it is ready is started a second time, to fail the same
+    way. That costs one more failed start of a model that fails anyway, and is accepted."""
+    return e.job_failed and e.result == "exit-code" and e.status == _CGROUP_STATUS
 
 
 def _ended(job: asyncio.Future[str], result: str) -> bool:

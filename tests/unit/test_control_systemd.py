@@ -249,6 +249,49 @@ def test_a_start_failing_at_the_cgroup_step_twice_fails_with_the_step_named() ->
     assert [c for c in fake.calls if c[0] == "start"] == [("start", UNIT)] * 2
 
 
+def test_the_cgroup_retry_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    fake = CgroupRace()
+    worker = make(fake, result="exit-code", status=219)
+    asyncio.run(worker.start(dict(ENV), None))
+    lines = [r.getMessage() for r in caplog.records if "CGROUP" in r.getMessage()]
+    assert lines == [
+        "Worker's start failed at systemd's CGROUP step (status 219/CGROUP), "
+        "asking for it once more"
+    ]
+
+
+def test_a_status_219_left_from_an_earlier_run_is_not_this_starts_cgroup_failure() -> None:
+    """The start's job ends "done" with the unit inactive (its condition): Result= and
+    ExecMainStatus= still say exit-code/219 from an earlier run, and no second start
+    is asked for."""
+    fake = FakeSystemd()
+    worker = make(fake, condition_path="/nonexistent/worker.env")
+    fake.unit(UNIT).result, fake.unit(UNIT).status = "exit-code", 219
+    with pytest.raises(StartFailed):
+        asyncio.run(worker.start(dict(ENV), None))
+    assert [c for c in fake.calls if c[0] == "start"] == [("start", UNIT)]
+
+
+def test_a_model_that_exits_219_after_its_job_is_done_is_not_started_again() -> None:
+    """Type=exec: the job ends "done" once the model's program runs; its exit with 219
+    while the front probes it is the model's own status, not systemd's CGROUP step."""
+    fake = FakeSystemd()
+    worker = probing(fake, Ready("tcp"))
+    s = listener()  # bound, never listening: the probe waits
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.1, fake.crash, UNIT, "exit-code", 219)
+        await worker.start({"PROVIDERD_WORKER_PORT": str(s.getsockname()[1])}, None)
+
+    try:
+        with pytest.raises(StartFailed, match="219"):
+            asyncio.run(go())
+    finally:
+        s.close()
+    assert [c for c in fake.calls if c[0] == "start"] == [("start", UNIT)]
+
+
 def test_crash_after_ready_is_reported_once_with_reason() -> None:
     fake = FakeSystemd()
     worker = make(fake)
