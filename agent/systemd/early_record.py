@@ -6,7 +6,9 @@ The generator runs as root at every daemon-reload and has just validated each ma
 writes `<generator dir>/providerd-early/<slug>`: the decision's inputs (the worker's port
 and address, the GPU request, providerd.toml's GPU headroom) and the stat of every file
 they came from: the manifest, the directories whose owner and mode its validation checks
-(`agent.spec.manifest.ownership_checks`), and providerd.toml. The early start
+(`agent.spec.manifest.ownership_checks`), and providerd.toml; and what else the manifest's
+validation found on this machine: that each weights path exists, and the CPU count (a CPU
+quota is checked against it). The early start
 (`agent.front.early`) takes the record instead of validating the manifest again, which
 costs the imports of most of `agent.spec` on the way to the worker's StartUnit; the front
 validates the manifest in full after that StartUnit either way.
@@ -15,8 +17,8 @@ validates the manifest in full after that StartUnit either way.
 may not say what the manifest says: no record; a record not owned by root or writable by
 group or others; another manifest path; any of those files with another device, inode,
 size, mtime or ctime than when it was written (an edit, a replacement, a chmod or a chown
-changes one of them), or a file then absent that exists now; anything else unexpected in
-it. Its format is lines of `key value`, so reading it needs no parser module.
+changes one of them), or a file then absent that exists now; a weights path gone; another
+CPU count; anything else unexpected in it. Its format is lines of `key value`, so reading it needs no parser module.
 
 Kept light: only `os` (and `agent.spec.locations`) at import, since it runs before most of the standard library is
 loaded.
@@ -34,9 +36,9 @@ if TYPE_CHECKING:
 
 GENERATOR_DIR = "/run/systemd/generator"
 DIRECTORY = "providerd-early"
-MAGIC = "providerd-early 1"
+MAGIC = "providerd-early 2"
 MAX_BYTES = 16384
-_FIELDS = ("slug", "manifest", "port", "host", "gpu", "gpu_count", "vram_budget_gb")
+_FIELDS = ("slug", "manifest", "port", "host", "gpu", "gpu_count", "vram_budget_gb", "cpus")
 _OPTIONAL = ("gpu_priority", "headroom")
 
 
@@ -124,7 +126,14 @@ def render(
     if headroom_bytes is not None:
         lines.append(f"headroom {headroom_bytes}")
     lines += [taken[p] for p in watched]
+    # What else validation checked on this machine (agent.spec.values.this_host).
+    lines += [f"exists {p}" for p in provider.weight_paths]
+    lines.append(f"cpus {_cpus()}")
     return "\n".join(lines) + "\n"
+
+
+def _cpus() -> int:
+    return os.cpu_count() or 1  # as agent.spec.values.this_host
 
 
 def _text(path: str) -> str | None:
@@ -162,7 +171,7 @@ def _unchanged(line: str) -> bool:
 
 def read(slug: str, manifest: str, directory: str | None = None) -> dict[str, str] | None:
     """The record's fields (`slug`, `manifest`, `port`, `host`, `gpu`, `gpu_count`,
-    `vram_budget_gb`, and `gpu_priority`, `headroom` where written) when it is root's,
+    `vram_budget_gb`, `cpus`, and `gpu_priority`, `headroom` where written) when it is root's,
     for `manifest`, and every file it came from is as it was; else None."""
     text = _text(record_path(slug, directory))
     if text is None or not text.endswith("\n"):
@@ -178,6 +187,13 @@ def read(slug: str, manifest: str, directory: str | None = None) -> dict[str, st
             if not _unchanged(line):
                 return None
             watched += 1
+        elif key == "exists":
+            if not os.path.exists(value):
+                return None  # a weights path gone: the manifest no longer validates
+        elif key == "cpus":
+            if value != str(_cpus()):
+                return None  # a CPU quota may no longer fit
+            fields[key] = value
         elif key in _FIELDS or key in _OPTIONAL:
             fields[key] = value
         else:

@@ -299,3 +299,43 @@ def test_a_start_from_a_record_that_says_otherwise_than_the_loaded_manifest_is_d
     assert (got.start is None) is stale
     assert (read_reservations(host / "run") == []) is stale
     assert ("says otherwise than its manifest" in caplog.text) is stale
+
+
+def test_a_record_does_not_count_once_a_weights_path_is_gone(
+    host: Path, generated: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest validated because its weights existed; deleted since, it no longer
+    does: the early start neither reserves a card nor starts the model (the front's
+    load() refuses the manifest, as without a record)."""
+    weights = host / "weights"
+    weights.mkdir()
+    add(host, "g", GPU + f'[weights]\npaths = ["{weights}"]\n')
+    generate(host, generated)
+    assert early_record.read("g", str(manifest(host, "g"))) is not None
+    weights.rmdir()
+    assert early_record.read("g", str(manifest(host, "g"))) is None
+    got, bus = begin(host, "g", monkeypatch)
+    assert got.start is None and got.provider is None, said(got)
+    assert [m.member for m in bus.calls] == []
+    bus.server.close()
+
+
+def test_a_record_does_not_count_on_another_cpu_count(
+    host: Path, generated: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU quota is validated against the CPU count: a record made with another count
+    may describe a manifest that no longer validates."""
+    add(host, "h", HOST + '[limits]\ncpu_quota = "100%"\n')
+    generate(host, generated)
+    assert early_record.read("h", str(manifest(host, "h"))) is not None
+    more = (os.cpu_count() or 1) + 1
+    monkeypatch.setattr(os, "cpu_count", lambda: more)
+    assert early_record.read("h", str(manifest(host, "h"))) is None
+
+
+def test_weights_paths_are_the_only_paths_validation_requires_to_exist() -> None:
+    """The record names every path whose existence validation checks (`exists` lines, from
+    Provider.weight_paths): a new key of that kind must be recorded too."""
+    from agent.spec.keys import KEYS
+
+    assert [(k.section, k.name) for k in KEYS if k.kind == "abspaths"] == [("weights", "paths")]
