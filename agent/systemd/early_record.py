@@ -38,6 +38,10 @@ GENERATOR_DIR = "/run/systemd/generator"
 DIRECTORY = "providerd-early"
 MAGIC = "providerd-early 2"
 MAX_BYTES = 16384
+# A file whose mtime or ctime is this close to the snapshot (or after it) may be written
+# again within the filesystem's timestamp granularity, with the same size, and match its
+# old stat: no record watches it ("racy clean"); that reload's starts read the manifest.
+RACY_NS = 1_000_000_000
 _FIELDS = ("slug", "manifest", "port", "host", "gpu", "gpu_count", "vram_budget_gb", "cpus")
 _OPTIONAL = ("gpu_priority", "headroom")
 
@@ -51,27 +55,35 @@ def record_path(slug: str, directory: str | None = None) -> str:
     return os.path.join(directory or generator_dir(), DIRECTORY, slug)
 
 
-def _stat_line(path: str) -> str | None:
+def _stat_line(path: str, settled_ns: int) -> str | None:
+    """`stat …` or `absent …`; None for a file that cannot be watched: one that cannot be
+    looked at (a symlink loop, say), or changed at `settled_ns` or after (`RACY_NS`)."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
         return f"absent {path}"
     except OSError:
-        return None  # a symlink loop, say: nothing to record of it
+        return None
+    if max(st.st_mtime_ns, st.st_ctime_ns) >= settled_ns:
+        return None  # racy: a rewrite of the same size within the same tick would match
     return f"stat {st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {path}"
 
 
 def snapshot(manifest_dirs: list[str]) -> dict[str, str]:
     """The stat lines of the files a record may watch (the manifest directories, what is in
     them, a `<slug>/provider.toml`), taken before the manifests are read, so that a file
-    changed while the generator runs never matches its record."""
+    changed while the generator runs never matches its record. A file changed within
+    `RACY_NS` of now is left out: no record watches it."""
+    import time
+
     from agent.spec import paths
     from agent.spec.manifest import DIR_MANIFEST
 
     taken: dict[str, str] = {}
+    settled = time.time_ns() - RACY_NS
 
     def take(path: str) -> None:
-        line = _stat_line(path)
+        line = _stat_line(path, settled)
         if line is not None:
             taken[path] = line
 

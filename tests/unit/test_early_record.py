@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,9 +26,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(autouse=True)
 def generated(host: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The early start's host (test_early_start's `host`), with a generator directory."""
+    """The early start's host (test_early_start's `host`), with a generator directory.
+    The tests write their files just before they generate: no window for racy files
+    (`test_a_file_changed_just_before_the_snapshot_is_watched_by_no_record` keeps it)."""
     out = host / "generator"
     monkeypatch.setenv("PROVIDERD_GENERATOR_DIR", str(out))
+    monkeypatch.setattr(early_record, "RACY_NS", 0)
     return out
 
 
@@ -171,6 +175,29 @@ def test_a_file_changed_while_the_generator_reads_it_never_matches(
     generate(host, generated)
     assert os.path.exists(early_record.record_path("h"))
     assert early_record.read("h", str(manifest(host, "h"))) is None
+
+
+def test_a_file_changed_just_before_the_snapshot_is_watched_by_no_record(
+    host: Path, generated: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "Racy clean": a rewrite of the same size within the filesystem's timestamp
+    granularity of the write before it leaves the same stat. A file whose mtime or ctime
+    is within RACY_NS of the snapshot gets no record; once settled, it does."""
+    monkeypatch.setattr(early_record, "RACY_NS", 10**9)
+    add(host, "h", HOST)
+    generate(host, generated)
+    assert not os.path.exists(early_record.record_path("h"))  # the manifest is just written
+    old = 5 * 10**9
+    for path in (manifest(host, "h"), host / "providers", host / "providerd.toml"):
+        if path.exists():
+            st = path.stat()
+            os.utime(path, ns=(st.st_atime_ns - old, st.st_mtime_ns - old))
+    generate(host, generated)
+    assert not os.path.exists(early_record.record_path("h"))  # an old mtime, a new ctime
+    real = time.time_ns
+    monkeypatch.setattr(time, "time_ns", lambda: real() + 2 * 10**9)  # two seconds on
+    generate(host, generated)
+    assert early_record.read("h", str(manifest(host, "h"))) is not None
 
 
 @pytest.mark.parametrize("what", ["absent", "file", "directory"])
