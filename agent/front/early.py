@@ -249,18 +249,6 @@ def gpu_headroom() -> tuple[int | None, list[str]]:
         return None, [f"{problem}; using the default GPU headroom" for problem in e.problems]
 
 
-def keys_on(path: str) -> bool:
-    """`agent.spec.apikeys.keys_on`, without that module's imports: the keys file exists, or
-    cannot be looked at (keys fail closed, never open)."""
-    try:
-        os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    except OSError:
-        return True
-    return True
-
-
 def begin(argv: Sequence[str]) -> Early:
     """Decide the worker's start and ask for it, if this front may do so at once."""
     began = time.perf_counter()
@@ -345,7 +333,7 @@ def _begin(slug: str, early: Early, began: float) -> None:
     loaded = time.perf_counter()
     from agent.spec import locations
 
-    if keys_on(locations.keys_file()) or os.path.lexists(locations.backoff_file(slug)):
+    if locations.keys_on() or os.path.lexists(locations.backoff_file(slug)):
         return  # a request whose key may start it decides; the saved backoff may refuse
     from agent.systemd.names import worker_unit
 

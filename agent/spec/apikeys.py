@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from agent.spec import paths
+from agent.spec import locations, paths
 from agent.spec.files import FileProblem, contained, mode_problems, read_regular
 from agent.spec.provider import Problem
 from agent.spec.toml_strict import Invalid, did_you_mean, expect_bool, load_toml, quote
@@ -196,16 +196,8 @@ def parse(raw: bytes, source: str) -> KeySet:
 
 
 def keys_on(path: Path | None = None) -> bool:
-    """Whether keys are on: the keys file exists (whatever it holds). The worker's unit
-    conditions test the same path. A file that cannot be looked at (a directory on its
-    way that we may not search) counts as there: keys fail closed, never open."""
-    try:
-        os.lstat(path or paths.keys_file())
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    except OSError:
-        return True
-    return True
+    """Whether keys are on (`agent.spec.locations.keys_on`)."""
+    return locations.keys_on(None if path is None else str(path))
 
 
 def _read(path: Path, credential: Path | None) -> KeySet:

@@ -15,6 +15,19 @@ def keys_file() -> str:
     return os.environ.get("PROVIDERD_KEYS", KEYS)
 
 
+def keys_on(path: str | None = None) -> bool:
+    """Whether API keys are on: the keys file exists (whatever it holds). The worker's unit
+    conditions test the same path. A file that cannot be looked at (a directory on its
+    way that we may not search) counts as there: keys fail closed, never open."""
+    try:
+        os.lstat(path if path is not None else keys_file())
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def runtime_dir() -> str:
     return os.environ.get("PROVIDERD_RUNTIME_DIR", RUNTIME_DIR)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from agent.front import early
-from agent.spec import apikeys
+from agent.spec import apikeys, locations
 from agent.systemd import early_record, generator
 from tests.fakes.fake_bus import FakeBus
 from tests.unit.test_early_start import GPU, HOST, PRIVATE, add, said, systemd
@@ -207,7 +207,7 @@ def test_keys_on_is_apikeys_own_test(host: Path, what: str) -> None:
         path.write_text("")
     if what == "directory":
         path.mkdir()
-    assert early.keys_on(str(path)) == apikeys.keys_on(path)
+    assert locations.keys_on(str(path)) == apikeys.keys_on(path) == (what != "absent")
 
 
 def test_deciding_from_the_record_imports_no_validation(
