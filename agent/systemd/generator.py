@@ -98,14 +98,25 @@ def generate(
     return failures
 
 
-def generate_early(providers: list[Provider], out: Path, taken: dict[str, str]) -> list[str]:
+Settings = config.Config | config.ConfigError  # providerd.toml, or why it could not be read
+
+
+def load_settings() -> Settings:
+    """providerd.toml, read once per run for the router's settings and the early records."""
+    try:
+        return config.load()
+    except config.ConfigError as e:
+        return e
+
+
+def generate_early(
+    providers: list[Provider], out: Path, taken: dict[str, str], settings: Settings | None
+) -> list[str]:
     """The early start's record of each provider whose start its front decides
     (`agent.systemd.early_record`), from the stat of its files `taken` before they were
     read; the paths that failed, with why."""
-    try:
-        headroom: int | None = config.load().gpu.headroom_bytes
-    except config.ConfigError:
-        headroom = None  # the early start reads providerd.toml itself, and says what is wrong
+    # Without settings the early start reads providerd.toml itself, and says what is wrong.
+    headroom = settings.gpu.headroom_bytes if isinstance(settings, config.Config) else None
     failures: list[str] = []
     for provider in providers:
         text = early_record.render(provider, str(paths.config_file()), headroom, taken)
@@ -119,14 +130,12 @@ def generate_early(providers: list[Provider], out: Path, taken: dict[str, str]) 
     return failures
 
 
-def generate_router(out: Path) -> list[str]:
+def generate_router(out: Path, settings: Settings) -> list[str]:
     """The router socket's address, and its sockets.target link when enabled, from
-    providerd.toml; the lines to log. Without the file (or with a bad one) the socket keeps
-    the default address of its static unit."""
-    try:
-        settings = config.load()
-    except config.ConfigError as e:
-        return [str(p) for p in e.problems] + [
+    providerd.toml (`settings`); the lines to log. Without the file (or with a bad one) the
+    socket keeps the default address of its static unit."""
+    if isinstance(settings, config.ConfigError):
+        return [str(p) for p in settings.problems] + [
             f"Skipping the router's settings: {ROUTER_SOCKET} keeps its default address"
         ]
     if settings.source is None:
@@ -155,8 +164,10 @@ def main(argv: list[str], log: Log | None = None) -> int:
             log("Failed to run: expected the output directory as the first argument")
             return 0
         out = Path(argv[0])
+        settings: Settings | None = None
         try:
-            for line in generate_router(out):
+            settings = load_settings()
+            for line in generate_router(out, settings):
                 log(line)
         except Exception as e:  # never fail the boot; the providers still get their units
             log(f"Failed to generate the router's settings: {e}")
@@ -173,7 +184,7 @@ def main(argv: list[str], log: Log | None = None) -> int:
         for line in generate(providers, out, rendering):
             log(line)
         try:
-            for line in generate_early(providers, out, taken):
+            for line in generate_early(providers, out, taken, settings):
                 log(line)
         except Exception as e:  # the early start then validates each manifest itself
             log(f"Failed to write the early start's records: {e}")

@@ -366,3 +366,23 @@ def test_weights_paths_are_the_only_paths_validation_requires_to_exist() -> None
     from agent.spec.keys import KEYS
 
     assert [(k.section, k.name) for k in KEYS if k.kind == "abspaths"] == [("weights", "paths")]
+
+
+def test_providerd_toml_is_read_once_per_run(
+    host: Path, generated: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The router's settings and the records' GPU headroom come from one read."""
+    (host / "providerd.toml").write_text("[gpu]\nheadroom_gb = 2\n")
+    add(host, "g", GPU)
+    real = generator.config.load
+    reads: list[object] = []
+
+    def load(path: object = None) -> object:
+        reads.append(path)
+        return real()
+
+    monkeypatch.setattr(generator.config, "load", load)
+    generate(host, generated)
+    assert len(reads) == 1
+    fields = early_record.read("g", str(manifest(host, "g")))
+    assert fields is not None and fields["headroom"] == str(2 * 1024**3)
