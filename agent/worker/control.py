@@ -368,7 +368,20 @@ class SystemdWorker:
         )
         job_id = job[0] if isinstance(job, (list, tuple)) and job else 0
         if active == "failed" and not job_id:
-            raise await self._failed()
+            raise await self._failed(job_failed=await self._never_active())
+
+    async def _never_active(self) -> bool:
+        """Whether the unit has not been active since it last left "inactive": its start
+        job failed (a Type=exec worker's, before its exec), rather than the worker exiting
+        after its start."""
+        try:
+            entered, left = await asyncio.gather(  # one round trip
+                self.systemd.get(self.unit, "Unit", "ActiveEnterTimestampMonotonic"),
+                self.systemd.get(self.unit, "Unit", "InactiveExitTimestampMonotonic"),
+            )
+        except Exception:
+            return False
+        return isinstance(entered, int) and isinstance(left, int) and entered < left
 
     async def stop(self) -> None:
         self._running = False
@@ -407,8 +420,8 @@ _SETUP_STATUS = {
 
 
 def _failed_at_cgroup(e: StartFailed) -> bool:
-    """Whether this attempt's own start job failed at systemd's CGROUP step (status 219),
-    as read when it failed.
+    """Whether this attempt's own start job (or the activation's, which the front's first
+    start joins) failed at systemd's CGROUP step (status 219), as read when it failed.
 
     For a Type=exec worker that is proof the model never ran: its job ends "done" once the
     exec succeeds, so a job that fails failed before it. For a Type=notify worker (the

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,9 @@ class Unit:
     memory_current: int = 2**64 - 1
     memory_max: int = 2**64 - 1
     job: int = 0  # the id of the unit's pending job, 0 for none
+    # Monotonic µs of its last entry into "active" and exit from "inactive"/"failed".
+    active_enter_us: int = 0
+    inactive_exit_us: int = 0
 
 
 class FakeSystemd:
@@ -56,6 +60,11 @@ class FakeSystemd:
         return self.units.setdefault(name, Unit(name))
 
     def _set(self, unit: Unit, active: str, sub: str) -> None:
+        now = time.monotonic_ns() // 1000
+        if active == "active":
+            unit.active_enter_us = now
+        elif unit.active in ("inactive", "failed") and active not in ("inactive", "failed"):
+            unit.inactive_exit_us = now
         unit.active, unit.sub = active, sub
         loop = asyncio.get_running_loop()
         for callback in list(unit.watchers):
@@ -150,6 +159,8 @@ class FakeSystemd:
         values: dict[tuple[str, str], Any] = {
             ("Unit", "ActiveState"): unit.active,
             ("Unit", "SubState"): unit.sub,
+            ("Unit", "ActiveEnterTimestampMonotonic"): unit.active_enter_us,
+            ("Unit", "InactiveExitTimestampMonotonic"): unit.inactive_exit_us,
             ("Unit", "Job"): [
                 unit.job,
                 f"/org/freedesktop/systemd1/job/{unit.job}" if unit.job else "/",

@@ -138,6 +138,36 @@ def test_a_start_that_failed_before_the_front_asked_is_reported_not_repeated() -
     assert fake.unit(UNIT).starts == 1
 
 
+def test_a_start_beside_the_front_that_failed_at_the_cgroup_step_is_asked_for_once_more() -> None:
+    """The activation's own start job failed with 219 (the unit never became active: for a
+    Type=exec worker its exec never ran) before the front asked: asked for once more."""
+    fake = FakeSystemd()
+    w = worker(fake, result="exit-code", status=219)
+
+    async def go() -> None:
+        await fake.start_with_front(UNIT)
+        fake.unit(UNIT).behaviour = Behaviour()  # the race is over
+        await w.start({}, None)
+
+    asyncio.run(go())
+    assert fake.unit(UNIT).starts == 2 and fake.unit(UNIT).active == "active"
+
+
+def test_a_worker_beside_the_front_that_ran_and_exited_219_is_not_started_again() -> None:
+    """Active, then gone with status 219 before the front asked: the model's own status."""
+    fake = FakeSystemd()
+    w = worker(fake)
+
+    async def go() -> None:
+        await fake.start_with_front(UNIT)
+        fake.crash(UNIT, "exit-code", 219)
+        await w.start({}, None)
+
+    with pytest.raises(StartFailed, match="219"):
+        asyncio.run(go())
+    assert fake.unit(UNIT).starts == 1
+
+
 def test_after_the_first_start_a_failed_worker_is_started_again() -> None:
     fake = FakeSystemd()
     w = worker(fake, result="exit-code", status=3)
