@@ -6,13 +6,27 @@ The system (container) and vm tiers need root, systemd-nspawn or qemu and a buil
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
+from agent.net.loop import new_loop
+
 TESTS = Path(__file__).resolve().parent
+
+
+class _ProductLoops(asyncio.DefaultEventLoopPolicy):
+    """Every loop a test makes (`asyncio.run`, `asyncio.new_event_loop`) is the kind the
+    product runs on (agent.net.loop): the data path is tested on the loop it serves on."""
+
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return new_loop()
+
+
+asyncio.set_event_loop_policy(_ProductLoops())
 
 # Property-based tests: a small budget in the unit tier, a long one for `make fuzz`
 # (`--hypothesis-profile=fuzz`, or PROVIDERD_FUZZ_EXAMPLES=N for any other budget).

@@ -6,7 +6,6 @@ Exit codes follow systemctl's: 0 ok, 1 failure, 2 usage, 3 inactive, 4 no such p
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -311,6 +310,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from agent.cli.serve import serve
     from agent.log import setup
+    from agent.net import loop
     from agent.systemd.manifests import check_paths
 
     setup(journal=False, verbose=args.verbose)
@@ -322,7 +322,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if found.problems:
         print("providerctl: serving the valid providers only", file=sys.stderr)
     try:
-        return asyncio.run(serve(list(found.providers.values())))
+        return loop.run(serve(list(found.providers.values())))
     except KeyboardInterrupt:
         return EXIT_OK
 

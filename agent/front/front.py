@@ -902,11 +902,12 @@ def admission_for(
 
 def main(argv: list[str], early: Early | None = None) -> int:
     from agent.log import setup
+    from agent.net import loop
 
     if len(argv) != 1:
         print("usage: python3 -m agent.front SLUG", flush=True)
         return 2
     setup(journal=True)
     with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(run_systemd(argv[0], early))
+        return loop.run(run_systemd(argv[0], early))
     return 0

@@ -318,6 +318,7 @@ async def run(listeners: list[socket.socket], idle_s: float, systemd: bool) -> i
 
 def main(argv: list[str]) -> int:
     from agent.log import setup
+    from agent.net import loop
 
     p = argparse.ArgumentParser(prog="python3 -m agent.metrics")
     p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_S, metavar="S")
@@ -340,5 +341,5 @@ def main(argv: list[str]) -> int:
 
         listeners = inherited_listeners(METRICS_SOCKET)
     with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(run(listeners, args.idle_timeout, systemd=args.listen is None))
+        return loop.run(run(listeners, args.idle_timeout, systemd=args.listen is None))
     return 0

@@ -248,7 +248,7 @@ class ClientConn(asyncio.BufferedProtocol):
 
     def to_tunnel(self) -> None:
         assert self.tunnel is not None and self.buf is not None
-        self.tunnel.write(memoryview(self.buf)[self.start : self.end])
+        self.tunnel.write(self.buf[self.start : self.end])  # a copy: see write()
         self.start = self.end
         self.release_buffer()
 
@@ -347,8 +347,11 @@ class ClientConn(asyncio.BufferedProtocol):
     # -- answering and closing -----------------------------------------------------------
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Send `data`. What is not bytes is copied first: the loop holds what it is given
+        until the end of its turn (uvloop sends a turn's writes together), and views into
+        pooled buffers change before that."""
         if self.transport is not None and not self.closed:
-            self.transport.write(data)
+            self.transport.write(data if type(data) is bytes else bytes(data))
 
     def answer(self, a: Answer, *, close: bool, head_only: bool = False, what: str = "") -> None:
         """Answer the client ourselves; with `close`, close first (lingering)."""

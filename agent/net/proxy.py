@@ -13,13 +13,12 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
-from typing import cast
 
 from agent.net.answers import Style
 from agent.net.client import ClientConn, Site
 from agent.net.contract import Lease
+from agent.net.loop import adopt
 from agent.net.site import Backend, FrontSite, Unavailable, too_many_waiting
-from agent.net.sockio import nodelay
 from agent.net.tcp import TcpRelay
 
 __all__ = [
@@ -36,27 +35,20 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-# Selector event loops make the transport of an accepted socket with this (create_server
-# does); asyncio has no public call that does it without a task and a future per socket.
-_MAKE_TRANSPORT = "_make_socket_transport"
 
 
 def transport_for(
     sock: socket.socket,
     protocol: asyncio.BaseProtocol,
     loop: asyncio.AbstractEventLoop | None = None,
-) -> asyncio.Transport:
-    """An accepted socket as a transport driving `protocol`, made at once (connection_made
-    runs in the next turn of the loop, as for any new transport). The transport sets
-    TCP_NODELAY itself on a socket whose protocol says TCP (those systemd passes); one that
-    says 0 (bound here, in the foreground) gets it here. `loop` spares a look-up (a
-    getpid() each) per connection."""
+) -> None:
+    """An accepted socket as a transport driving `protocol`, made at once, with no task
+    (`agent.net.loop.adopt`; connection_made runs in the next turn of the loop, as for any
+    new transport). The loop sets TCP_NODELAY itself on a TCP socket; `loop` spares a
+    look-up (a getpid() each) per connection."""
     loop = loop or asyncio.get_running_loop()
     sock.setblocking(False)
-    if sock.proto != socket.IPPROTO_TCP:
-        nodelay(sock)
-    make = getattr(loop, _MAKE_TRANSPORT)
-    return cast(asyncio.Transport, make(sock, protocol))
+    adopt(sock, protocol, loop)
 
 
 def accept_http(

@@ -122,8 +122,9 @@ class UpstreamConn(asyncio.BufferedProtocol):
         self.bulk = False
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Send `data`, copied first unless it is bytes (as ClientConn.write)."""
         if self.transport is not None and not self.dead:
-            self.transport.write(data)
+            self.transport.write(data if type(data) is bytes else bytes(data))
 
     def body_spliced(self) -> None:
         """The rest of the body went by splice (agent.net.splice): the response ends here."""

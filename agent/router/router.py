@@ -358,11 +358,12 @@ async def run_systemd() -> int:
 
 def main(argv: list[str]) -> int:
     from agent.log import setup
+    from agent.net import loop
 
     if argv:
         print("usage: python3 -m agent.router", flush=True)
         return 2
     setup(journal=True, verbose=True)  # routed requests are logged at debug level
     with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(run_systemd())
+        return loop.run(run_systemd())
     return 0

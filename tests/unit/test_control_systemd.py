@@ -407,7 +407,7 @@ def test_the_model_answering_the_front_is_ready_before_the_job_ends() -> None:
         took = asyncio.run(go())
     finally:
         s.close()
-    assert 0.1 <= took < 1.0, took
+    assert 0.099 <= took < 1.0, took  # the loop's clock (libuv's) counts whole milliseconds
     assert fake.unit(UNIT).starts == 1
 
 

@@ -1,0 +1,72 @@
+"""The event loop providerd runs on: uvloop's (libuv, compiled), for the front, the router,
+the metrics service and `providerctl serve` alike.
+
+On asyncio's own selector loop a relayed keep-alive request cost twice the CPU: the loop's
+work per callback (a Handle, the selector's bookkeeping, a read and a write each through
+Python) was most of it. uvloop runs the same protocols, transports and futures.
+
+`run(main)` is `asyncio.run(main)` on a new uvloop loop (`new_loop()`). `adopt(sock,
+protocol)` makes an accepted socket a transport at once, with no task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import uvloop
+
+T = TypeVar("T")
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop of the kind the product runs on."""
+    return uvloop.new_event_loop()
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run `main` to its end on a new loop and close the loop (as `asyncio.run` does: the
+    tasks left are cancelled, async generators and the default executor shut down; a first
+    Ctrl-C cancels `main`)."""
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        return runner.run(main)
+
+
+def adopt(
+    sock: socket.socket,
+    protocol: asyncio.BaseProtocol,
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Make the connected socket `sock` a transport driving `protocol`, now: the loop owns
+    the socket from here on and calls `protocol.connection_made` in its next turn.
+
+    A loop makes such a transport in `connect_accepted_socket`, a coroutine that builds it
+    before its one wait (for connection_made). Run as a task, that costs a task and two
+    more turns of the loop per connection; here the coroutine is stepped by hand: once
+    now, which makes the transport, and once more when connection_made has happened. A
+    transport that could not be made (the socket is not a stream, the loop is closing)
+    leaves the socket closed."""
+    opening = loop.connect_accepted_socket(lambda: protocol, sock)
+    try:
+        _step(opening)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _step(coro: Coroutine[Any, Any, Any]) -> None:
+    """Run `coro` until it waits on a future; go on once that future is done."""
+    try:
+        waited = coro.send(None)
+    except StopIteration:
+        return
+    waited.add_done_callback(lambda _: _resume(coro))
+
+
+def _resume(coro: Coroutine[Any, Any, Any]) -> None:
+    # An exception: the transport failed before connection_made, and closed itself.
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        _step(coro)
