@@ -105,6 +105,7 @@ def always_ready_front(worker_port: int) -> None:
     import logging
 
     sys.path.insert(0, str(ROOT))
+    from agent.net import loop
     from agent.net.listeners import Listeners
     from agent.net.proxy import FrontSite, Style, accept_http
 
@@ -120,7 +121,7 @@ def always_ready_front(worker_port: int) -> None:
         listening.start()
         await asyncio.Event().wait()
 
-    asyncio.run(main())
+    loop.run(main())  # the loop the front runs on
 
 
 def listener() -> socket.socket:

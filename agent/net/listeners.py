@@ -152,7 +152,12 @@ class Listeners:
                 self.log.info("Accepting connections again (%d open)", self.open)
                 self._fds_logged = False
             self.open += 1  # non-blocking and TCP_NODELAY as it becomes a transport (net.proxy)
-            self.on_connection(conn)
+            try:
+                self.on_connection(conn)
+            except Exception as e:  # not made a transport (closed): this connection only
+                conn.close()
+                self.closed()
+                self.log.warning("Failed to take connection: %s, ignoring", e)
 
 
 class HttpListeners(Listeners):

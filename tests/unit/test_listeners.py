@@ -101,3 +101,44 @@ def test_the_cap_follows_a_low_file_descriptor_limit(monkeypatch: pytest.MonkeyP
     assert listeners.connection_cap() == 1024 - listeners.FD_RESERVE
     monkeypatch.setattr(listeners.resource, "getrlimit", lambda _r: (65536, 65536))
     assert listeners.connection_cap() == listeners.MAX_CONNECTIONS
+
+
+def test_a_connection_that_cannot_be_taken_costs_only_itself(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A socket the loop refuses as a transport is closed and logged; it does not count
+    against the cap, and the next connection is taken as usual."""
+
+    async def go() -> tuple[int, int, bytes]:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        got: list[socket.socket] = []
+
+        def take(conn: socket.socket) -> None:
+            if not got:
+                got.append(conn)
+                raise RuntimeError("the loop refused it")
+            got.append(conn)
+
+        ls = Listeners([sock], take, logging.getLogger("t"), max_connections=1)
+        ls.start()
+        first = socket.create_connection(sock.getsockname())
+        first.settimeout(5)
+        second = socket.create_connection(sock.getsockname())
+        async with asyncio.timeout(5):
+            while len(got) < 2:
+                await asyncio.sleep(0.01)
+        refused = first.recv(1)  # closed by the listener: EOF
+        for s in [*got, first, second]:
+            s.close()
+        ls.stop()
+        return len(got), ls.open, refused
+
+    with caplog.at_level(logging.INFO):
+        taken, still_open, refused = asyncio.run(go())
+    assert taken == 2 and refused == b""  # closed at once
+    assert still_open == 1  # the second only
+    assert any(
+        "Failed to take connection: the loop refused it" in r.getMessage() for r in caplog.records
+    )
