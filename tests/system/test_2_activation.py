@@ -85,6 +85,14 @@ def test_fifty_cold_requests_one_worker_start_all_answered(ct: Container, demo: 
     )
 
 
+def test_the_front_serves_on_uvloop(ct: Container, demo: None) -> None:
+    # Still up after the burst: the installed front's loop is the one the package depends on.
+    pid = ct.prop(f"provider@{SLUG}.service", "MainPID")
+    assert pid not in ("", "0"), "the front is not running"
+    r = ct.sh(f"grep -c /uvloop/loop /proc/{pid}/maps", check=False)
+    assert r.rc == 0, f"uvloop is not loaded in the front (pid {pid})"
+
+
 def test_systemctl_status_has_a_status_line(ct: Container, demo: None) -> None:
     # The worker is still up (idle timeout not reached): the front says what it does.
     r = ct.sh(f"systemctl status --no-pager provider@{SLUG}.service", check=False)

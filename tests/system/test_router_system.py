@@ -78,6 +78,10 @@ def test_requests_for_two_models_through_the_router(ct: Container, routed: None)
     code, text = post(ct, "/v1/embeddings", {"model": "beta-7b", "input": "hello"})
     assert code == 200, text
     assert json.loads(text)["model"] == "beta"
+    pid = ct.prop("providerd-router.service", "MainPID")
+    assert ct.sh(f"grep -c /uvloop/loop /proc/{pid}/maps", check=False).rc == 0, (
+        f"uvloop is not loaded in the router (pid {pid})"
+    )
     assert ct.active("provider-worker@ralpha.service") == "active"
     assert ct.active("provider-worker@rbeta.service") == "active"
 
