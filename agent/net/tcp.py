@@ -67,12 +67,23 @@ class _Side(asyncio.Protocol):
         self.relay.close()
 
     def pause_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None and not self.peer.pump:
-            self.peer.transport.pause_reading()
+        transport = self._peer_reading()
+        if transport is not None:
+            transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None and not self.peer.pump:
-            self.peer.transport.resume_reading()
+        transport = self._peer_reading()
+        if transport is not None:
+            transport.resume_reading()
+
+    def _peer_reading(self) -> asyncio.Transport | None:
+        """The peer's transport where it reads for this side (not a pump) and is still open:
+        this side may drain its buffer, and say so, after the peer has gone, and a closed
+        uvloop transport raises where asyncio's ignored the call."""
+        peer = self.peer
+        if peer is None or peer.pump is not None or peer.transport is None:
+            return None
+        return None if peer.transport.is_closing() else peer.transport
 
     def link(self, peer: _Side) -> None:
         self.peer = peer

@@ -111,8 +111,9 @@ class UpstreamConn(asyncio.BufferedProtocol):
         """Pass a client's half-close on; this connection can no longer be kept."""
         self.clean = False
         self.dead = True
-        if self.transport is not None and self.transport.can_write_eof():
-            self.transport.write_eof()
+        transport = self.transport
+        if transport is not None and not transport.is_closing() and transport.can_write_eof():
+            transport.write_eof()  # a closed uvloop transport raises
 
     def begin(self, ex: Exchange, method: str) -> None:
         self.ex = ex

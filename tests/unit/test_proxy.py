@@ -1423,9 +1423,14 @@ def test_a_worker_that_refuses_for_a_moment_is_retried_while_it_runs() -> None:
 
 
 def test_requests_beyond_max_concurrency_wait_their_turn_in_order() -> None:
+    """Deterministic: each request is leased before the next is sent, and the worker answers
+    one request at a time, each only once the previous answer's slot has gone to the next
+    request (two slots freed in one turn would send two requests on two connections at
+    once, which the worker may read in either order)."""
     order: list[bytes] = []
     open_now = [0]
     peak = [0]
+    answer = asyncio.Semaphore(0)  # one release: one answer goes
 
     async def counting(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         open_now[0] += 1
@@ -1437,11 +1442,16 @@ def test_requests_beyond_max_concurrency_wait_their_turn_in_order() -> None:
                 except asyncio.IncompleteReadError:
                     return
                 order.append(head.split(b" ")[1])
-                await asyncio.sleep(0.02)
+                await answer.acquire()
                 writer.write(ok())
                 await writer.drain()
         finally:
             open_now[0] -= 1
+
+    async def until(check: Callable[[], bool]) -> None:
+        async with asyncio.timeout(2):
+            while not check():
+                await asyncio.sleep(0.001)
 
     async def test() -> None:
         async with Setup(counting) as (_, backend, px):
@@ -1451,7 +1461,11 @@ def test_requests_beyond_max_concurrency_wait_their_turn_in_order() -> None:
                 client = await px.connect()
                 await client.send(b"GET /%d HTTP/1.1\r\nHost: t\r\n\r\n" % i)
                 clients.append(client)
-                await asyncio.sleep(0.002)  # arrival order
+                await until(lambda i=i: len(backend.leases) > i)  # arrival order
+            await until(lambda: len(order) == 2)
+            for k in range(10):
+                answer.release()
+                await until(lambda k=k: len(order) == min(10, k + 3))  # the next one went
             for client in clients:
                 assert (await client.response())[0] == 200
                 client.close()
