@@ -8,23 +8,38 @@ uvloop runs the same protocols, transports and futures.
 
 `run(main)` is `asyncio.run(main)` on a new uvloop loop (`new_loop()`). `adopt(sock,
 protocol)` makes an accepted socket a transport at once, with no task.
+
+The package depends on python3-uvloop. A checkout run where it is not installed (the
+foreground agent on a GPU host with nothing to install, say) runs on asyncio's loop, with
+one warning: the data path is the same code on both.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-import uvloop
-
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+_warned: list[bool] = []
 
 
 def new_loop() -> asyncio.AbstractEventLoop:
-    """A new event loop of the kind the product runs on."""
+    """A new event loop of the kind the product runs on: uvloop's, else asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        if not _warned:
+            _warned.append(True)
+            log.warning(
+                "uvloop is not installed (python3-uvloop): serving on asyncio's own event "
+                "loop, which costs more CPU per request"
+            )
+        return asyncio.SelectorEventLoop()
     return uvloop.new_event_loop()
 
 

@@ -4,7 +4,9 @@ at once with no task, and writes that never send bytes changed after the call.""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+import sys
 from typing import cast
 
 import pytest
@@ -115,3 +117,31 @@ def test_a_write_sends_the_bytes_of_the_moment_of_the_call(side: str) -> None:
         return got
 
     assert loop.run(test()) == b"first answer"
+
+
+def test_without_uvloop_the_loop_is_asyncios_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkout run where python3-uvloop is not installed still serves, and says why it
+    costs more; the data path is the same code (adopt on asyncio's loop)."""
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop: ImportError
+    monkeypatch.setattr(loop, "_warned", [])
+
+    async def echo_once() -> tuple[type, bytes]:
+        running = asyncio.get_running_loop()
+        accepted, client = pair()
+        accepted.setblocking(False)
+        echo = Echo()
+        loop.adopt(accepted, echo, running)
+        await running.sock_sendall(client, b"ping")
+        got = await asyncio.wait_for(running.sock_recv(client, 16), 5)
+        client.close()
+        await asyncio.wait_for(echo.lost, 5)
+        return type(running), got
+
+    with caplog.at_level(logging.WARNING):
+        kind, got = loop.run(echo_once())
+        loop.run(asyncio.sleep(0))
+    assert kind is asyncio.SelectorEventLoop and got == b"ping"
+    warned = [r for r in caplog.records if "uvloop is not installed" in r.getMessage()]
+    assert len(warned) == 1
