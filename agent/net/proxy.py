@@ -19,6 +19,7 @@ from agent.net.client import ClientConn, Site
 from agent.net.contract import Lease
 from agent.net.loop import adopt
 from agent.net.site import Backend, FrontSite, Unavailable, too_many_waiting
+from agent.net.sockio import nodelay
 from agent.net.tcp import TcpRelay
 
 __all__ = [
@@ -44,10 +45,13 @@ def transport_for(
 ) -> None:
     """An accepted socket as a transport driving `protocol`, made at once, with no task
     (`agent.net.loop.adopt`; connection_made runs in the next turn of the loop, as for any
-    new transport). The loop sets TCP_NODELAY itself on a TCP socket; `loop` spares a
-    look-up (a getpid() each) per connection."""
+    new transport). uvloop sets TCP_NODELAY on every TCP socket; asyncio's loop only on one
+    whose protocol says TCP (those systemd passes), so one that says 0 (bound here, in the
+    foreground) gets it here. `loop` spares a look-up (a getpid() each) per connection."""
     loop = loop or asyncio.get_running_loop()
     sock.setblocking(False)
+    if sock.proto != socket.IPPROTO_TCP:
+        nodelay(sock)
     adopt(sock, protocol, loop)
 
 

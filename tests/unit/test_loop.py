@@ -15,6 +15,7 @@ import uvloop
 from agent.net import loop
 from agent.net.answers import Style
 from agent.net.client import ClientConn
+from agent.net.proxy import transport_for
 from agent.net.upconn import UpstreamConn
 
 
@@ -139,9 +140,18 @@ def test_without_uvloop_the_loop_is_asyncios_with_one_warning(
         await asyncio.wait_for(echo.lost, 5)
         return type(running), got
 
+    async def no_delay() -> int:
+        accepted, client = pair()
+        transport_for(accepted, Echo())  # as the listeners hand a connection over
+        value = accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        client.close()
+        return value
+
     with caplog.at_level(logging.WARNING):
         kind, got = loop.run(echo_once())
-        loop.run(asyncio.sleep(0))
+        nodelay = loop.run(no_delay())
     assert kind is asyncio.SelectorEventLoop and got == b"ping"
+    # asyncio's loop sets it only on a socket whose protocol number says TCP; this one says 0.
+    assert nodelay == 1
     warned = [r for r in caplog.records if "uvloop is not installed" in r.getMessage()]
     assert len(warned) == 1
