@@ -67,6 +67,8 @@ PENDING_MAX = BUFFER_SIZE  # bytes held ahead of the request in flight (pipelini
 _SCRATCH = memoryview(bytearray(4096))  # what a closing connection reads into, and drops
 
 # Why reading is paused: bits, so that each cause resumes only its own pause.
+# uvloop's clock counts whole milliseconds: a timer may read as fired up to one early.
+CLOCK_STEP_S = 0.001
 PAUSE_AHEAD = 1  # too much sent ahead of the request in flight
 PAUSE_UPSTREAM = 2  # the upstream does not take the body as fast as it comes
 PAUSE_WAIT = 4  # the exchange does not want bytes now
@@ -79,6 +81,7 @@ class ClientConn(asyncio.BufferedProtocol):
 
     __slots__ = (
         "_timer",
+        "_timer_at",
         "ahead",
         "buf",
         "closed",
@@ -124,7 +127,10 @@ class ClientConn(asyncio.BufferedProtocol):
         self.paused = 0
         self.due: float | None = None  # the head or keep-alive deadline (loop time)
         self.due_kind = ""  # "head" | "idle" | "linger"
-        self._timer: asyncio.TimerHandle | None = None
+        # Not the handle's when(): uvloop returns a plain Handle (no when()) for a call_at
+        # whose delay rounds to 0 ms on its millisecond clock.
+        self._timer: asyncio.Handle | None = None
+        self._timer_at = 0.0
         self.head_due: float | None = None
 
     # -- asyncio callbacks ---------------------------------------------------------------
@@ -318,18 +324,18 @@ class ClientConn(asyncio.BufferedProtocol):
         if due is None:
             return
         if self._timer is not None:
-            if self._timer.when() <= due:
+            if self._timer_at <= due:
                 return
             self._timer.cancel()
-        self._timer = self.loop.call_at(due, self._fire)
+        self._timer, self._timer_at = self.loop.call_at(due, self._fire), due
 
     def _fire(self) -> None:
         self._timer = None
         due = self.due
         if due is None or self.closed:
             return
-        if self.loop.time() < due:
-            self._timer = self.loop.call_at(due, self._fire)
+        if self.loop.time() < due - CLOCK_STEP_S:  # moved later while the timer ran
+            self._timer, self._timer_at = self.loop.call_at(due, self._fire), due
             return
         kind, self.due = self.due_kind, None
         if kind == "request":

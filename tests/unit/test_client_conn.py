@@ -47,3 +47,24 @@ def test_a_request_that_ends_leaves_none_of_its_pauses_behind() -> None:
             assert transport.reading and conn.paused == 0
 
     asyncio.run(test())
+
+
+def test_a_deadline_moved_after_a_timer_that_rounds_to_now_is_kept() -> None:
+    """On uvloop a call_at whose delay rounds to 0 ms is a plain Handle (no when()): moving
+    the deadline again must not need it, and the earliest deadline still fires."""
+
+    async def test() -> None:
+        loop = asyncio.get_running_loop()
+        conn = ClientConn(NoSite(), Style("t"))
+        transport = Recording()
+        conn.connection_made(transport)
+        conn.deadline(loop.time() - 1.0, "idle")  # already past: a delay of 0
+        conn.deadline(loop.time() + 60.0, "idle")  # later: the armed timer stays
+        conn.deadline(loop.time() - 0.5, "idle")  # earlier again
+        for _ in range(50):
+            await asyncio.sleep(0.002)
+            if conn.closing or conn.closed:
+                break
+        assert conn.closing or conn.closed, "the idle deadline in the past did not close it"
+
+    asyncio.run(test())
