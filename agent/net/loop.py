@@ -17,7 +17,6 @@ one warning: the data path is the same code on both.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from collections.abc import Coroutine
@@ -68,22 +67,23 @@ def adopt(
     raised."""
     opening = loop.connect_accepted_socket(lambda: protocol, sock)
     try:
-        _step(opening)
+        waited = opening.send(None)
+    except StopIteration:
+        return
     except BaseException:
-        sock.close()
+        sock.close()  # not made a transport: nothing else owns the socket
         raise
+    waited.add_done_callback(lambda _: _resume(opening))
 
 
-def _step(coro: Coroutine[Any, Any, Any]) -> None:
-    """Run `coro` until it waits on a future; go on once that future is done."""
+def _resume(coro: Coroutine[Any, Any, Any]) -> None:
+    """Step `coro` on once the future it waited on is done, until it ends."""
     try:
         waited = coro.send(None)
     except StopIteration:
         return
+    except (Exception, asyncio.CancelledError) as e:
+        # The transport failed before connection_made, and closed itself.
+        log.debug("A connection closed before it was made: %s", e)
+        return
     waited.add_done_callback(lambda _: _resume(coro))
-
-
-def _resume(coro: Coroutine[Any, Any, Any]) -> None:
-    # An exception: the transport failed before connection_made, and closed itself.
-    with contextlib.suppress(Exception, asyncio.CancelledError):
-        _step(coro)

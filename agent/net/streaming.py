@@ -145,8 +145,8 @@ class Streaming:
         if self.up is not None:
             if self.up.eof:
                 self.tunnel_lost()
-            elif self.up.transport is not None and self.up.transport.can_write_eof():
-                self.up.transport.write_eof()
+            else:
+                self.up.shut_write()
 
     def tunnel_lost(self) -> None:
         up, self.up = self.up, None
