@@ -78,8 +78,7 @@ class _Side(asyncio.Protocol):
 
     def _peer_reading(self) -> asyncio.Transport | None:
         """The peer's transport where it reads for this side (not a pump) and is still open:
-        this side may drain its buffer, and say so, after the peer has gone, and a closed
-        uvloop transport raises where asyncio's ignored the call."""
+        this side may drain its buffer, and say so, after the peer has gone."""
         peer = self.peer
         if peer is None or peer.pump is not None or peer.transport is None:
             return None
