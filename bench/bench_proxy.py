@@ -36,7 +36,9 @@ from common import (
     ROOT,
     Address,
     always_ready_front,
+    drain,
     listener,
+    next_head,
     pct,
     read_n,
     serve_epoll,
@@ -78,26 +80,19 @@ def serve_big(conn: socket.socket, pending: bytes) -> None:
     sink = bytearray(CHUNK)
     with conn:
         while True:
-            while b"\r\n\r\n" not in pending:
-                data = conn.recv(65536)
-                if not data:
-                    return
-                pending += data
-            i = pending.index(b"\r\n\r\n") + 4
-            head, pending = pending[:i], pending[i:]
+            got = next_head(conn, pending)
+            if got is None:
+                return
+            head, pending = got
             if head.startswith(b"GET /big"):
                 conn.sendall(BIG_HEAD % BIG)
                 for _ in range(BIG // CHUNK):
                     conn.sendall(chunk)
             elif head.startswith(b"POST /upload"):
                 length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
-                left = length - len(pending)
-                pending = b""
-                while left > 0:
-                    n = conn.recv_into(sink, min(CHUNK, left))
-                    if not n:
-                        return
-                    left -= n
+                left, pending = length - len(pending), b""
+                if not drain(conn, sink, left):
+                    return
                 conn.sendall(SMALL_RESPONSE)
             else:
                 conn.sendall(SMALL_RESPONSE)

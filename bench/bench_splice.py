@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from bench_proxy import spawn_activated
-from common import ROOT, listener, wait_listening
+from common import ROOT, drain, listener, next_head, wait_listening
 
 KIB = 1024
 SIZES = [128 * KIB, 256 * KIB, 384 * KIB, 512 * KIB, 1024 * KIB, 4096 * KIB, 16384 * KIB]
@@ -43,13 +43,10 @@ def backend(sock: socket.socket) -> None:
         pending = b""
         with conn:
             while True:
-                while b"\r\n\r\n" not in pending:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    pending += data
-                i = pending.index(b"\r\n\r\n") + 4
-                head, pending = pending[:i], pending[i:]
+                got = next_head(conn, pending)
+                if got is None:
+                    return
+                head, pending = got
                 size = int(head.split(b" ")[1].rsplit(b"/", 1)[1])
                 if head.startswith(b"GET"):
                     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
@@ -60,11 +57,8 @@ def backend(sock: socket.socket) -> None:
                         left -= n
                     continue
                 left, pending = size - len(pending), b""
-                while left > 0:
-                    n = conn.recv_into(sink, min(left, len(sink)))
-                    if not n:
-                        return
-                    left -= n
+                if not drain(conn, sink, left):
+                    return
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
 
     while True:

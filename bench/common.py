@@ -162,6 +162,28 @@ def read_n(sock: socket.socket, n: int) -> None:
         got += len(data)
 
 
+def next_head(conn: socket.socket, pending: bytes) -> tuple[bytes, bytes] | None:
+    """The next request head from conn (after what `pending` already holds) and the bytes
+    after it; None once the client has closed."""
+    while b"\r\n\r\n" not in pending:
+        data = conn.recv(65536)
+        if not data:
+            return None
+        pending += data
+    i = pending.index(b"\r\n\r\n") + 4
+    return pending[:i], pending[i:]
+
+
+def drain(conn: socket.socket, sink: bytearray, left: int) -> bool:
+    """Read and drop `left` bytes into `sink`, a chunk at a time; False if conn closed first."""
+    while left > 0:
+        n = conn.recv_into(sink, min(left, len(sink)))
+        if not n:
+            return False
+        left -= n
+    return True
+
+
 def wait_listening(exchange: Callable[[], None]) -> None:
     """Retry `exchange` (one request and its answer) until it works, for up to 10 s."""
     deadline = time.monotonic() + 10
