@@ -4,41 +4,65 @@
 `{"peak_bytes": N, "last_peak_bytes": N, "runs": n, "updated": "<ISO 8601 UTC>"}`.
 `peak_bytes` is the largest per-card usage seen over all runs; admission needs at
 least that much. Each front writes only its own provider's file (tmp + rename), so
-fronts never contend. An unreadable file counts as no measurement.
+fronts never contend. An unreadable file counts as no measurement, and is said once
+per read (a warning in the provider's log; the front's early start, which has no logging
+yet, passes its own `warn`).
+
+The early start reads a peak with this module on the way to its worker's StartUnit: only
+`os` at import (`json` once there is a file to read).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any
+import os
 
-from agent.spec import paths
-from agent.spec.files import write_atomic
+from agent.atomic import write_atomic
+from agent.spec import locations
 
-log = logging.getLogger(__name__)
+TYPE_CHECKING = False  # not typing's: its import costs milliseconds (mypy reads this as it)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+    from typing import Any
+
+
+def _warn(message: str) -> None:
+    import logging
+
+    logging.getLogger(__name__).warning("%s", message)
 
 
 class Footprints:
-    def __init__(self, directory: Path | None = None) -> None:
-        self.directory = directory if directory is not None else paths.state_dir() / "footprints"
+    def __init__(
+        self, directory: Path | str | None = None, warn: Callable[[str], None] | None = None
+    ) -> None:
+        if directory is None:
+            directory = os.path.join(locations.state_dir(), "footprints")
+        self.directory = directory
+        self.warn = warn or _warn  # says what is wrong with a file it reads
 
-    def _file(self, slug: str) -> Path:
-        return self.directory / f"{slug}.json"
+    def _file(self, slug: str) -> str:
+        return os.path.join(self.directory, f"{slug}.json")
 
     def _read(self, slug: str) -> dict[str, Any] | None:
         f = self._file(slug)
         try:
-            data = json.loads(f.read_text())
+            with open(f, encoding="utf-8") as stream:
+                text = stream.read()
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:
-            log.warning("Failed to read VRAM footprint %s: %s, ignoring", f, e)
+            self.warn(f"Failed to read VRAM footprint {f}: {e}, ignoring")
+            return None
+        import json
+
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            self.warn(f"Failed to read VRAM footprint {f}: {e}, ignoring")
             return None
         if not isinstance(data, dict) or not isinstance(data.get("peak_bytes"), int):
-            log.warning("Failed to read VRAM footprint %s: no integer peak_bytes, ignoring", f)
+            self.warn(f"Failed to read VRAM footprint {f}: no integer peak_bytes, ignoring")
             return None
         return data
 
@@ -53,6 +77,9 @@ class Footprints:
 
     def record(self, slug: str, peak_bytes: int) -> None:
         """Add one run's measured peak (bytes, per card). Runs that measured nothing are skipped."""
+        import json
+        from datetime import UTC, datetime
+
         if peak_bytes <= 0:
             return
         old = self._read(slug) or {}
@@ -66,4 +93,7 @@ class Footprints:
 
     def forget(self, slug: str) -> None:
         """Drop the measurements (after the model changed)."""
-        self._file(slug).unlink(missing_ok=True)
+        import contextlib
+
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._file(slug))

@@ -12,22 +12,28 @@ with real worker processes can exercise admission and enforcement without a GPU.
 
 CPU providers never call any of this; for GPU providers a host without a usable
 driver gives `NvmlUnavailable("NVML is unavailable: <why>")`.
+
+The front's early start reads the cards with this module on the way to its worker's
+StartUnit (`agent.front.early`): only `os`, `time` and `agent.errors` at import (no
+`dataclasses`, `typing`, `pathlib` or `json`: milliseconds each there).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
-from types import ModuleType
-from typing import Any, Protocol
 
 from agent.errors import ProviderdError
-from agent.spec.sizes import HUMAN_MEBI, approx_size
+from agent.gpu.frozen import Frozen
+
+TYPE_CHECKING = False  # not typing's: its import costs milliseconds (mypy reads this as it)
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from pathlib import Path
+    from types import ModuleType
+    from typing import Any, Protocol
+else:
+    Protocol = object  # Nvml's methods, for mypy; at run time a plain base
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -45,30 +51,44 @@ class NvmlUnavailable(ProviderdError, RuntimeError):
         self.why = why
 
 
-@dataclass(frozen=True)
-class Card:
+class Card(Frozen):
     """One GPU as NVML reports it. Memory in bytes."""
 
+    __slots__ = ("bus_id", "free", "index", "minor", "name", "total", "uuid")
     index: int  # NVML index (PCI bus order)
     uuid: str  # "GPU-…"; what CUDA_VISIBLE_DEVICES names
     name: str
     total: int
     free: int
     minor: int  # N of /dev/nvidiaN
-    bus_id: str = ""  # PCI bus id, e.g. "00000000:1B:00.0"
+    bus_id: str  # PCI bus id, e.g. "00000000:1B:00.0"
+
+    def __init__(
+        self, index: int, uuid: str, name: str, total: int, free: int, minor: int, bus_id: str = ""
+    ) -> None:
+        super().__init__(
+            index=index, uuid=uuid, name=name, total=total, free=free, minor=minor, bus_id=bus_id
+        )
 
     @property
     def used(self) -> int:
         return self.total - self.free
 
+    def with_free(self, free: int) -> Card:
+        """The same card with `free` bytes free."""
+        return Card(self.index, self.uuid, self.name, self.total, free, self.minor, self.bus_id)
 
-@dataclass(frozen=True)
-class GpuProcess:
+
+class GpuProcess(Frozen):
     """One compute process on one card, as NVML reports it."""
 
+    __slots__ = ("card_uuid", "pid", "used")
     pid: int  # as NVML reports it (which PID namespace: see agent.gpu.vram)
     card_uuid: str
     used: int  # bytes; 0 when NVML cannot tell
+
+    def __init__(self, pid: int, card_uuid: str, used: int) -> None:
+        super().__init__(pid=pid, card_uuid=card_uuid, used=used)
 
 
 class Nvml(Protocol):
@@ -81,6 +101,8 @@ class Nvml(Protocol):
 
 def format_bytes(n: int) -> str:
     """Bytes for people: GiB with one decimal, MiB below one GiB."""
+    from agent.spec.sizes import HUMAN_MEBI, approx_size  # re, fractions: only for messages
+
     return approx_size(n, HUMAN_MEBI)
 
 
@@ -187,6 +209,8 @@ class RealNvml:
     def close(self) -> None:
         if self._open:
             self._open = False
+            import contextlib
+
             with contextlib.suppress(self._nv.NVMLError):
                 self._nv.nvmlShutdown()
 
@@ -208,22 +232,42 @@ def open_nvml() -> Nvml:
     """The NVML providerd uses: `DirNvml` when PROVIDERD_NVML_FAKE is set, else `RealNvml`."""
     fake = os.environ.get(FAKE_ENV)
     if fake:
-        return DirNvml(Path(fake))
+        return DirNvml(fake)
     return RealNvml()
 
 
 # --- fakes ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class FakeCard:
+class FakeCard(Frozen):
+    __slots__ = ("bus_id", "index", "minor", "name", "reserved", "total", "uuid")
     index: int
     uuid: str
     total: int
-    name: str = "Fake GPU"
-    minor: int | None = None  # defaults to the index
-    reserved: int = 0  # memory the driver keeps (never free)
-    bus_id: str = ""
+    name: str
+    minor: int | None  # defaults to the index
+    reserved: int  # memory the driver keeps (never free)
+    bus_id: str
+
+    def __init__(
+        self,
+        index: int,
+        uuid: str,
+        total: int,
+        name: str = "Fake GPU",
+        minor: int | None = None,
+        reserved: int = 0,
+        bus_id: str = "",
+    ) -> None:
+        super().__init__(
+            index=index,
+            uuid=uuid,
+            total=total,
+            name=name,
+            minor=minor,
+            reserved=reserved,
+            bus_id=bus_id,
+        )
 
 
 class FakeNvml:
@@ -308,12 +352,15 @@ class DirNvml:
     notices, as on a real card.
     """
 
-    def __init__(self, directory: Path, *, release_delay_s: float = 0.11) -> None:
+    def __init__(self, directory: Path | str, *, release_delay_s: float = 0.11) -> None:
+        import json
+
         self.directory = directory
+        self._dir = os.fspath(directory)
         self.release_delay_s = release_delay_s
         self._dead_since: dict[int, float] = {}
         try:
-            raw = json.loads((directory / "cards.json").read_text())
+            raw = json.loads(_read(os.path.join(self._dir, "cards.json")))
             self._cards = [
                 FakeCard(
                     i,
@@ -330,22 +377,28 @@ class DirNvml:
     def _usage(self) -> list[GpuProcess]:
         out = []
         now = time.monotonic()
+        procs = os.path.join(self._dir, "procs")
         try:
-            entries = sorted((self.directory / "procs").glob("*.json"))
+            names = sorted(n for n in os.listdir(procs) if n.endswith(".json") and n[0] != ".")
         except OSError:
-            entries = []
-        for f in entries:
+            names = []
+        for name in names:
+            f = os.path.join(procs, name)
             try:
-                pid = int(f.stem)
-                data = json.loads(f.read_text())
+                import json
+
+                pid = int(name[: -len(".json")])
+                data = json.loads(_read(f))
                 proc = GpuProcess(pid, str(data["uuid"]), int(data["bytes"]))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
             if not pid_exists(pid):
                 since = self._dead_since.setdefault(pid, now)
                 if now - since >= self.release_delay_s:
+                    import contextlib
+
                     with contextlib.suppress(OSError):  # another user's file: just skip it
-                        f.unlink()
+                        os.unlink(f)
                     continue
             out.append(proc)
         return out
@@ -399,4 +452,9 @@ def gpu_status(nvml: Nvml, reservations: Sequence[Any] = ()) -> list[dict[str, A
 
 
 def with_free(card: Card, free: int) -> Card:
-    return replace(card, free=max(0, free))
+    return card.with_free(max(0, free))
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()

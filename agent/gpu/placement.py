@@ -11,38 +11,118 @@ first, least recently used first among equals.
 
 Memory figures are per card: a provider with `count = 2` needs `need` bytes on
 each of its two cards. `vram_budget_gb` is in GiB (2**30 bytes).
+
+What a provider asks for is a `GpuRequest`: a validated manifest's `Provider`, or the
+`Request` the front's early start reads from the generator's record, which places the
+worker on the way to its StartUnit with this module: so nothing here imports
+`dataclasses`, `typing` or the manifest's validation (milliseconds each there).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
-
+from agent.gpu.frozen import Frozen
 from agent.gpu.nvml import GIB, MIB, Card, format_bytes
-from agent.spec.provider import Provider
+
+TYPE_CHECKING = False  # not typing's: its import costs milliseconds (mypy reads this as it)
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+    from typing import Any, Literal, Protocol
+
+    Devices = Literal["auto", "none"] | tuple[int | str, ...]
+
+    class GpuRequest(Protocol):
+        """What placement reads of a provider: its `[gpu]` table."""
+
+        @property
+        def slug(self) -> str: ...
+        @property
+        def gpu_devices(self) -> Devices: ...
+        @property
+        def gpu_count(self) -> int: ...
+        @property
+        def vram_budget_gb(self) -> float | None: ...
+        @property
+        def gpu_priority(self) -> int: ...
+        @property
+        def uses_gpu(self) -> bool: ...
+
 
 DEFAULT_HEADROOM = 1024 * MIB  # kept free on a card beyond a provider's need (providerd.toml)
 
 
-@dataclass(frozen=True)
-class Holder:
+class Request(Frozen):
+    """A provider's GPU request without its manifest: as the generator's record carries
+    it (`agent.systemd.early_record`), for the early start's placement."""
+
+    __slots__ = ("gpu_count", "gpu_devices", "gpu_priority", "slug", "vram_budget_gb")
+    slug: str
+    gpu_devices: Devices
+    gpu_count: int
+    vram_budget_gb: float | None
+    gpu_priority: int
+
+    def __init__(
+        self,
+        slug: str,
+        gpu_devices: Devices,
+        gpu_count: int = 1,
+        vram_budget_gb: float | None = None,
+        gpu_priority: int = 0,
+    ) -> None:
+        super().__init__(
+            slug=slug,
+            gpu_devices=gpu_devices,
+            gpu_count=gpu_count,
+            vram_budget_gb=vram_budget_gb,
+            gpu_priority=gpu_priority,
+        )
+
+    @property
+    def uses_gpu(self) -> bool:
+        return self.gpu_devices != "none"
+
+
+class Holder(Frozen):
     """Another provider that holds (or is starting on) GPU memory."""
 
+    __slots__ = ("busy", "gpus", "last_used", "pinned", "priority", "slug", "vram_bytes")
     slug: str
     gpus: tuple[str, ...]  # card UUIDs
     vram_bytes: int  # bytes it holds on each of those cards
     busy: int  # requests in flight; > 0 means it is never retired
     last_used: float  # when it last served a request; any clock, the same for all holders
-    priority: int = 0  # `[gpu] priority`: only a provider of equal or higher priority retires it
-    pinned: bool = False  # `[runtime] pinned`: never retired
+    priority: int  # `[gpu] priority`: only a provider of equal or higher priority retires it
+    pinned: bool  # `[runtime] pinned`: never retired
+
+    def __init__(
+        self,
+        slug: str,
+        gpus: tuple[str, ...],
+        vram_bytes: int,
+        busy: int,
+        last_used: float,
+        priority: int = 0,
+        pinned: bool = False,
+    ) -> None:
+        super().__init__(
+            slug=slug,
+            gpus=gpus,
+            vram_bytes=vram_bytes,
+            busy=busy,
+            last_used=last_used,
+            priority=priority,
+            pinned=pinned,
+        )
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(Frozen):
     """The card(s) a worker runs on; empty for `devices = "none"`."""
 
-    cards: tuple[Card, ...] = ()
+    __slots__ = ("cards",)
+    cards: tuple[Card, ...]
+
+    def __init__(self, cards: tuple[Card, ...] = ()) -> None:
+        super().__init__(cards=cards)
 
     @property
     def uuids(self) -> tuple[str, ...]:
@@ -53,23 +133,35 @@ class Placement:
         return tuple(c.index for c in self.cards)
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(Frozen):
     """Admission says yes: retire `victims` (in order) first, then start on `placement`."""
 
+    __slots__ = ("need_bytes", "placement", "victims")
     placement: Placement
     victims: tuple[str, ...]  # slugs, least recently used first; empty: start now
     need_bytes: int  # per card, headroom included
 
+    def __init__(self, placement: Placement, victims: tuple[str, ...], need_bytes: int) -> None:
+        super().__init__(placement=placement, victims=victims, need_bytes=need_bytes)
 
-@dataclass(frozen=True)
-class Refusal:
+
+class Refusal(Frozen):
     """Admission says no, for now or (`permanent`) for good."""
 
+    __slots__ = ("holders", "kept", "message", "permanent")
     message: str
-    holders: tuple[tuple[str, int], ...] = ()  # (slug, requests in flight) on the cards wanted
-    permanent: bool = False  # waiting cannot help (no such card, card too small)
-    kept: tuple[tuple[str, str], ...] = ()  # (slug, why it was not retired), for those that say
+    holders: tuple[tuple[str, int], ...]  # (slug, requests in flight) on the cards wanted
+    permanent: bool  # waiting cannot help (no such card, card too small)
+    kept: tuple[tuple[str, str], ...]  # (slug, why it was not retired), for those that say
+
+    def __init__(
+        self,
+        message: str,
+        holders: tuple[tuple[str, int], ...] = (),
+        permanent: bool = False,
+        kept: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        super().__init__(message=message, holders=holders, permanent=permanent, kept=kept)
 
     def body(self) -> dict[str, Any]:
         """The JSON of the 503 for held requests: names and busy counts, no paths or addresses."""
@@ -88,21 +180,21 @@ class Refusal:
 Admission = Plan | Refusal
 
 
-def budget_bytes(provider: Provider) -> int | None:
+def budget_bytes(provider: GpuRequest) -> int | None:
     """The manifest's `vram_budget_gb` in bytes, or None."""
     if provider.vram_budget_gb is None:
         return None
     return round(provider.vram_budget_gb * GIB)
 
 
-def need_bytes(provider: Provider, measured_peak: int | None) -> int:
+def need_bytes(provider: GpuRequest, measured_peak: int | None) -> int:
     """Per card: the larger of the declared budget and the largest measured footprint."""
     return max(budget_bytes(provider) or 0, measured_peak or 0)
 
 
 def subtract_pending(cards: Sequence[Card], pending: Mapping[str, int]) -> list[Card]:
     """Cards with memory reserved by starting workers (not yet shown by NVML) taken off."""
-    return [replace(c, free=max(0, c.free - pending.get(c.uuid, 0))) for c in cards]
+    return [c.with_free(max(0, c.free - pending.get(c.uuid, 0))) for c in cards]
 
 
 def device_allow(placement: Placement) -> list[tuple[str, str]]:
@@ -133,7 +225,7 @@ def worker_env(placement: Placement) -> dict[str, str]:
     }
 
 
-def _resolve(provider: Provider, cards: Sequence[Card]) -> tuple[list[Card], int, bool] | Refusal:
+def _resolve(provider: GpuRequest, cards: Sequence[Card]) -> tuple[list[Card], int, bool] | Refusal:
     """Candidate cards, how many to take, and whether all candidates must be taken."""
     devices = provider.gpu_devices
     if devices == "auto":
@@ -174,7 +266,7 @@ def _choose(
 
 
 def plan_admission(
-    provider: Provider,
+    provider: GpuRequest,
     need: int,
     cards: Sequence[Card],
     holders: Sequence[Holder],
@@ -237,7 +329,7 @@ def plan_admission(
     )
 
 
-def kept_because(provider: Provider, holder: Holder) -> str | None:
+def kept_because(provider: GpuRequest, holder: Holder) -> str | None:
     """Why `holder` may not be retired to make room for `provider`; None when it may."""
     if holder.busy:
         return f"busy, {holder.busy} in flight"
@@ -270,7 +362,7 @@ def _summary(holders: Sequence[Holder]) -> tuple[tuple[str, int], ...]:
 
 
 def _busy_message(
-    provider: Provider,
+    provider: GpuRequest,
     want: int,
     candidates: Sequence[Card],
     holders: Sequence[Holder],

@@ -7,16 +7,23 @@ process if it is the front's view of it, or one of its inner-namespace PIDs that
 not itself a live process in the front's view (so memory is never attributed to the
 wrong worker; a collision under-counts instead).
 
-No asyncio here: admission before the front's event loop (`agent.gpu.quick`) reads it too.
+No asyncio here: admission before the front's event loop (`agent.gpu.quick`) reads it too,
+and only `os` at import (no `typing` or `pathlib`: milliseconds each on that way).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
-from pathlib import Path
-from typing import Protocol
+import os
 
-from agent.gpu.nvml import GpuProcess
+TYPE_CHECKING = False  # not typing's: its import costs milliseconds (mypy reads this as it)
+if TYPE_CHECKING:
+    from collections.abc import Collection, Iterable
+    from pathlib import Path
+    from typing import Protocol
+
+    from agent.gpu.nvml import GpuProcess
+else:
+    Protocol = object  # ProcReader's method, for mypy; at run time a plain base
 
 __all__ = ["ProcFs", "ProcReader", "attribute"]
 
@@ -30,12 +37,13 @@ class ProcReader(Protocol):
 class ProcFs:
     """`ProcReader` over a proc filesystem."""
 
-    def __init__(self, root: Path = Path("/proc")) -> None:
+    def __init__(self, root: Path | str = "/proc") -> None:
         self.root = root
 
     def nspids(self, pid: int) -> tuple[int, ...] | None:
         try:
-            text = (self.root / str(pid) / "status").read_text()
+            with open(os.path.join(self.root, str(pid), "status"), encoding="utf-8") as f:
+                text = f.read()
         except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
             return None
         except OSError:

@@ -5,41 +5,74 @@ The reservation, `<runtime>/<slug>/gpu.json`, stays while the worker starts and 
 is removed on release; admission (`agent.gpu.admission`) subtracts from NVML's free
 memory what each reservation covers but NVML does not show yet (`need` less what its
 worker PIDs use), so a worker that is still loading keeps its share.
+
+The front's early start admits with this module on the way to its worker's StartUnit
+(`agent.gpu.quick`): only `os`, `fcntl` and `time` at import, `json` once a reservation is
+read or written (no `dataclasses`, `contextlib`, `typing` or `pathlib`: milliseconds each
+there). Directories are strings or `Path`s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
-import json
 import os
 import time
-from collections.abc import AsyncIterator, Collection, Iterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 
-from agent.gpu.nvml import Card, GpuProcess, Nvml, pid_exists
-from agent.gpu.placement import Placement, subtract_pending
-from agent.gpu.procs import ProcReader, attribute
-from agent.spec import paths
-from agent.spec.files import write_atomic
+from agent.atomic import write_atomic
+from agent.gpu.frozen import Frozen
+from agent.gpu.nvml import pid_exists
+from agent.gpu.placement import subtract_pending
+from agent.gpu.procs import attribute
+from agent.spec import locations
+
+TYPE_CHECKING = False  # not typing's: its import costs milliseconds (mypy reads this as it)
+if TYPE_CHECKING:
+    from collections.abc import Collection, Sequence
+    from os import PathLike
+    from types import TracebackType
+
+    from agent.gpu.nvml import Card, GpuProcess, Nvml
+    from agent.gpu.placement import Placement
+    from agent.gpu.procs import ProcReader
+
+    Directory = str | PathLike[str]
 
 RESERVATION = "gpu.json"
 LOCK = "gpu.lock"
 
 
-@dataclass(frozen=True)
-class Reservation:
+class Reservation(Frozen):
     """The content of `<runtime>/<slug>/gpu.json`."""
 
+    __slots__ = ("cards", "need_bytes", "owner_pid", "pids", "since", "slug")
     slug: str
     cards: tuple[str, ...]  # UUIDs
     need_bytes: int  # per card, without headroom
-    pids: tuple[int, ...] = ()  # the worker's processes, once known
-    owner_pid: int = 0  # the front's PID; a reservation whose owner is gone is stale
-    since: float = 0.0  # wall clock
+    pids: tuple[int, ...]  # the worker's processes, once known
+    owner_pid: int  # the front's PID; a reservation whose owner is gone is stale
+    since: float  # wall clock
+
+    def __init__(
+        self,
+        slug: str,
+        cards: tuple[str, ...],
+        need_bytes: int,
+        pids: tuple[int, ...] = (),
+        owner_pid: int = 0,
+        since: float = 0.0,
+    ) -> None:
+        super().__init__(
+            slug=slug,
+            cards=cards,
+            need_bytes=need_bytes,
+            pids=pids,
+            owner_pid=owner_pid,
+            since=since,
+        )
 
     def to_json(self) -> str:
+        import json
+
         return json.dumps(
             {
                 "slug": self.slug,
@@ -53,6 +86,8 @@ class Reservation:
 
     @classmethod
     def from_json(cls, text: str) -> Reservation:
+        import json
+
         d = json.loads(text)
         return cls(
             str(d["slug"]),
@@ -68,13 +103,18 @@ def _alive(pid: int) -> bool:
     return pid <= 0 or pid_exists(pid)  # an unknown owner (0): keep
 
 
-def read_reservations(runtime_dir: Path | None = None) -> list[Reservation]:
+def read_reservations(runtime_dir: Directory | None = None) -> list[Reservation]:
     """Every live reservation under the runtime directory (stale ones are skipped)."""
-    root = runtime_dir if runtime_dir is not None else paths.runtime_dir()
+    root = os.fspath(runtime_dir) if runtime_dir is not None else locations.runtime_dir()
+    try:
+        names = sorted(n for n in os.listdir(root) if not n.startswith("."))
+    except OSError:
+        names = []
     out = []
-    for f in sorted(root.glob(f"*/{RESERVATION}")):
+    for name in names:
         try:
-            r = Reservation.from_json(f.read_text())
+            with open(os.path.join(root, name, RESERVATION), encoding="utf-8") as f:
+                r = Reservation.from_json(f.read())
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if _alive(r.owner_pid):
@@ -95,7 +135,7 @@ def pending_bytes(
 
 
 def effective_cards(
-    nvml: Nvml, slug: str, runtime_dir: Path, proc: ProcReader
+    nvml: Nvml, slug: str, runtime_dir: Directory, proc: ProcReader
 ) -> tuple[list[Card], list[GpuProcess]]:
     """The cards as NVML shows them, less what the other fronts' reservations still hold
     back (their workers' memory that NVML does not show yet); and NVML's processes."""
@@ -105,72 +145,122 @@ def effective_cards(
     return subtract_pending(cards, pending_bytes(others, procs, proc)), procs
 
 
-def _open_lock(runtime_dir: Path) -> int:
-    runtime_dir.mkdir(parents=True, exist_ok=True)
-    return os.open(runtime_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+def _open_lock(runtime_dir: Directory) -> int:
+    os.makedirs(runtime_dir, exist_ok=True)
+    path = os.path.join(runtime_dir, LOCK)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
 
-@contextlib.contextmanager
-def gpu_lock_now(runtime_dir: Path) -> Iterator[bool]:
-    """The same lock, taken only if it is free at once: yields whether it was taken (False:
-    another front is admitting; the caller leaves the admission to `gpu_lock`)."""
-    fd = _open_lock(runtime_dir)
-    try:
+class _Lock:
+    """The open lock file, unlocked and closed on the way out."""
+
+    def __init__(self, runtime_dir: Directory) -> None:
+        self.runtime_dir = runtime_dir
+        self.fd = -1
+        self.locked = False
+
+    def _try(self) -> bool:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            yield False
-            return
+            return False
+        self.locked = True
+        return True
+
+    def _leave(self) -> None:
         try:
-            yield True
+            if self.locked:
+                self.locked = False
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+            os.close(self.fd)
 
 
-@contextlib.asynccontextmanager
-async def gpu_lock(runtime_dir: Path, timeout_s: float) -> AsyncIterator[None]:
+class gpu_lock_now(_Lock):  # used as a function: `with gpu_lock_now(rt) as taken`
+    """The same lock, taken only if it is free at once: gives whether it was taken (False:
+    another front is admitting; the caller leaves the admission to `gpu_lock`)."""
+
+    def __enter__(self) -> bool:
+        self.fd = _open_lock(self.runtime_dir)
+        try:
+            return self._try()
+        except BaseException:
+            self._leave()
+            raise
+
+    def __exit__(
+        self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._leave()
+
+
+class gpu_lock(_Lock):  # used as a function: `async with gpu_lock(rt, timeout_s)`
     """Exclusive across processes (flock on `<runtime>/gpu.lock`); polls, so the loop runs on."""
-    import asyncio  # not at the top: admission before the event loop uses this module
 
-    fd = _open_lock(runtime_dir)
-    try:
-        deadline = time.monotonic() + timeout_s
-        # Polling is the only way here: the lock is another front's (another process),
-        # Linux tells no one when a flock is let go, and a blocking flock would stop the
-        # loop (or hold a thread that cannot be cancelled at the deadline).
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{runtime_dir / LOCK} stayed locked") from None
-                await asyncio.sleep(0.01)
+    def __init__(self, runtime_dir: Directory, timeout_s: float) -> None:
+        super().__init__(runtime_dir)
+        self.timeout_s = timeout_s
+
+    async def __aenter__(self) -> None:
+        import asyncio  # not at the top: admission before the event loop uses this module
+
+        self.fd = _open_lock(self.runtime_dir)
         try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+            deadline = time.monotonic() + self.timeout_s
+            # Polling is the only way here: the lock is another front's (another process),
+            # Linux tells no one when a flock is let go, and a blocking flock would stop the
+            # loop (or hold a thread that cannot be cancelled at the deadline).
+            while not self._try():
+                if time.monotonic() >= deadline:
+                    where = os.path.join(self.runtime_dir, LOCK)
+                    raise TimeoutError(f"{where} stayed locked")
+                await asyncio.sleep(0.01)
+        except BaseException:
+            self._leave()
+            raise
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._leave()
 
 
-@dataclass
 class Admitted:
     """A yes from admission: where to start, and the reservation that holds the memory."""
 
-    slug: str
-    placement: Placement
-    need_bytes: int  # per card, without headroom
-    retired: tuple[str, ...] = ()  # providers retired to make room
-    freed_wait_s: float = 0.0  # how long NVML took to show their memory freed
-    runtime_dir: Path = field(default_factory=paths.runtime_dir)
-    _reservation: Reservation | None = None
+    __slots__ = (
+        "_reservation",
+        "freed_wait_s",
+        "need_bytes",
+        "placement",
+        "retired",
+        "runtime_dir",
+        "slug",
+    )
+
+    def __init__(
+        self,
+        slug: str,
+        placement: Placement,
+        need_bytes: int,  # per card, without headroom
+        retired: tuple[str, ...] = (),  # providers retired to make room
+        freed_wait_s: float = 0.0,  # how long NVML took to show their memory freed
+        runtime_dir: Directory | None = None,
+    ) -> None:
+        self.slug, self.placement, self.need_bytes = slug, placement, need_bytes
+        self.retired, self.freed_wait_s = retired, freed_wait_s
+        self.runtime_dir = runtime_dir if runtime_dir is not None else locations.runtime_dir()
+        self._reservation: Reservation | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Admitted(slug={self.slug!r}, placement={self.placement!r}, "
+            f"need_bytes={self.need_bytes!r}, retired={self.retired!r})"
+        )
 
     @property
-    def file(self) -> Path:
-        return self.runtime_dir / self.slug / RESERVATION
+    def file(self) -> str:
+        return os.path.join(self.runtime_dir, self.slug, RESERVATION)
 
     def _write(self, pids: Collection[int]) -> None:
         self._reservation = Reservation(
@@ -190,5 +280,8 @@ class Admitted:
 
     def release(self) -> None:
         """The worker is gone: drop the reservation. Never blocks on the lock."""
+        import contextlib
+
         self._reservation = None
-        self.file.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.file)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 RUNTIME_DIR = "/run/providerd"
+STATE_DIR = "/var/lib/providerd"
 KEYS = "/etc/providerd/keys.toml"
 
 
@@ -30,6 +31,10 @@ def keys_on(path: str | None = None) -> bool:
 
 def runtime_dir() -> str:
     return os.environ.get("PROVIDERD_RUNTIME_DIR", RUNTIME_DIR)
+
+
+def state_dir() -> str:
+    return os.environ.get("PROVIDERD_STATE_DIR", STATE_DIR)
 
 
 def worker_env_file(slug: str) -> str:

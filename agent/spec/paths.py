@@ -10,7 +10,7 @@ from agent.spec import locations
 MANIFEST_DIRS = (Path("/etc/providerd/providers"), Path("/usr/lib/providerd/providers"))
 CONFIG = Path("/etc/providerd/providerd.toml")
 RUNTIME_DIR = Path(locations.RUNTIME_DIR)
-STATE_DIR = Path("/var/lib/providerd")
+STATE_DIR = Path(locations.STATE_DIR)
 KEYS = Path(locations.KEYS)
 
 
@@ -36,7 +36,7 @@ def runtime_dir() -> Path:
 
 
 def state_dir() -> Path:
-    return Path(os.environ.get("PROVIDERD_STATE_DIR", STATE_DIR))
+    return Path(locations.state_dir())
 
 
 def provider_runtime_dir(slug: str) -> Path:
