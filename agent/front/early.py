@@ -15,7 +15,13 @@ What it decides from comes from the generator's record of the provider
 when it was written: nothing of `agent.spec`'s validation is imported then (the front
 validates the manifest in full after the StartUnit). Else it validates the manifest itself.
 Either way this module's imports are kept to what the path it takes needs: `logging`, for
-one, only where a module it calls may log.
+one, only where a module it calls may log (the manifest's validation). A GPU provider's
+start decided from the record imports no more than a CPU provider's but the GPU's own
+modules, which import neither logging nor `dataclasses`, `typing` or `pathlib`: the
+record carries the GPU request (`agent.gpu.placement.Request`), the placement reads the
+cards (NVML), the other fronts' reservations and the footprint, and what it would have
+logged (a footprint that cannot be read) is said here, in the front's log, once it is set
+up.
 
 What it cannot decide at once (the GPU lock held by another front's admission, a fit that
 needs a provider retired, NVML or the bus failing) it leaves, having undone what it did,
@@ -37,6 +43,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
     from typing import Any
 
+    from agent.gpu.placement import GpuRequest, Request
     from agent.gpu.reservations import Admitted
     from agent.spec.provider import Provider
 
@@ -96,8 +103,11 @@ class Early:
         self.replay()
         return True
 
-    def note(self, level: int, msg: str, *args: Any, exc: BaseException | None = None) -> None:
-        self.records.append(Note(f"providerd.{self.slug}", level, msg, args, exc))
+    def note(
+        self, level: int, msg: str, *args: Any, exc: BaseException | None = None, logger: str = ""
+    ) -> None:
+        """A line for the provider's logger, or for `logger` (a module's, said for it)."""
+        self.records.append(Note(logger or f"providerd.{self.slug}", level, msg, args, exc))
 
     def hold(self) -> None:
         """From now on, keep what modules log until logging is set up: `agent.log.setup()`
@@ -195,17 +205,17 @@ class _Decision:
 
     __slots__ = ("gpu", "headroom", "host", "port")
 
-    def __init__(self, port: int, host: str, gpu: Provider | None, headroom: int | None) -> None:
+    def __init__(self, port: int, host: str, gpu: GpuRequest | None, headroom: int | None) -> None:
         self.port = port  # 0: a free one, chosen now
         self.host = host
-        self.gpu = gpu  # the provider as GPU admission sees it; None without a GPU
+        self.gpu = gpu  # the provider's GPU request (its Provider, or the record's); or None
         self.headroom = headroom  # providerd.toml's GPU headroom; None: not read yet
 
     def request(self) -> tuple[Any, ...]:
         return _request(self.port, self.host, self.gpu)
 
 
-def _request(port: int, host: str, gpu: Provider | None) -> tuple[Any, ...]:
+def _request(port: int, host: str, gpu: GpuRequest | None) -> tuple[Any, ...]:
     if gpu is None:
         return (port, host, None)
     return (port, host, (gpu.gpu_devices, gpu.gpu_count, gpu.vram_budget_gb, gpu.gpu_priority))
@@ -276,18 +286,16 @@ def _from_record(slug: str) -> _Decision | None:
     try:
         gpu = None
         if fields["gpu"] != "none":
-            gpu = _gpu_provider(slug, manifest, fields)
+            gpu = _gpu_request(slug, fields)
         headroom = int(fields["headroom"]) if "headroom" in fields else None
         return _Decision(int(fields["port"]), fields["host"], gpu, headroom)
     except ValueError:
         return None  # not as the generator writes it: the manifest decides
 
 
-def _gpu_provider(slug: str, manifest: str, fields: Mapping[str, str]) -> Provider:
-    """The provider as GPU admission reads it (its GPU request), from the record alone."""
-    from pathlib import Path
-
-    from agent.spec.provider import Provider
+def _gpu_request(slug: str, fields: Mapping[str, str]) -> Request:
+    """The provider's GPU request, as GPU admission reads it, from the record alone."""
+    from agent.gpu.placement import Request
 
     kind, _, listed = fields["gpu"].partition(" ")
     devices: Any = kind
@@ -296,13 +304,12 @@ def _gpu_provider(slug: str, manifest: str, fields: Mapping[str, str]) -> Provid
     elif kind != "auto":
         raise ValueError(fields["gpu"])
     budget = fields["vram_budget_gb"]
-    return Provider(
+    return Request(
         slug,
-        Path(manifest),
-        gpu_devices=devices,
-        gpu_count=int(fields["gpu_count"]),
-        vram_budget_gb=None if budget == "-" else float(budget),
-        gpu_priority=int(fields.get("gpu_priority", "0")),
+        devices,
+        int(fields["gpu_count"]),
+        None if budget == "-" else float(budget),
+        int(fields.get("gpu_priority", "0")),
     )
 
 
@@ -342,7 +349,6 @@ def _begin(slug: str, early: Early, began: float) -> None:
     devices: list[tuple[str, str]] | None = None
     admitted = None
     if decision.gpu is not None:
-        early.hold()  # GPU's modules may log (a footprint that cannot be read, say)
         admitted = _admit(decision, early)
         if admitted is None:
             return
@@ -385,7 +391,7 @@ def _begin(slug: str, early: Early, began: float) -> None:
 
 def _admit(decision: _Decision, early: Early) -> Admitted | None:
     """GPU admission at once, or None (and a line why not)."""
-    from agent.gpu.footprint import Footprints
+    from agent.gpu import footprint
     from agent.gpu.nvml import NvmlUnavailable, open_nvml
     from agent.gpu.quick import admit_now
 
@@ -397,10 +403,15 @@ def _admit(decision: _Decision, early: Early) -> Admitted | None:
     else:
         early.headroom_bytes = decision.headroom
     early.gpu_read = True
+
+    def warn(problem: str) -> None:  # a footprint that cannot be read: as the module logs it
+        early.note(WARNING, "%s", problem, logger=footprint.__name__)
+
     try:
         early.nvml = open_nvml()
+        footprints = footprint.Footprints(warn=warn)
         admitted = admit_now(
-            decision.gpu, early.nvml, Footprints(), headroom_bytes=early.headroom_bytes
+            decision.gpu, early.nvml, footprints, headroom_bytes=early.headroom_bytes
         )
     except NvmlUnavailable:
         return None  # the front's own admission reports it

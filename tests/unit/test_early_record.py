@@ -210,19 +210,27 @@ def test_keys_on_is_apikeys_own_test(host: Path, what: str) -> None:
     assert locations.keys_on(str(path)) == apikeys.keys_on(path) == (what != "absent")
 
 
+@pytest.mark.parametrize("slug", ["h", "g"])
 def test_deciding_from_the_record_imports_no_validation(
-    host: Path, generated: Path, monkeypatch: pytest.MonkeyPatch
+    host: Path, generated: Path, monkeypatch: pytest.MonkeyPatch, slug: str
 ) -> None:
     """The point of the record: on the way to StartUnit, none of the manifest's validation
-    (nor logging, TOML, typing, dataclasses, pathlib, tempfile or re) is imported."""
+    (nor logging, TOML, typing, dataclasses, pathlib or tempfile) is imported; for a CPU
+    provider not re either. A GPU provider's placement (on the fake cards, whose JSON
+    needs re) neither, even when it has something to say: a footprint that cannot be
+    read is said with the module's logger once the front's logging is set up."""
     add(host, "h", HOST)
+    add(host, "g", GPU)
     generate(host, generated)
-    monkeypatch.setenv("PROVIDERD_MANIFEST", str(manifest(host, "h")))
+    (host / "state" / "footprints").mkdir(parents=True)
+    (host / "state" / "footprints" / "g.json").write_text("{ not json")
+    monkeypatch.setenv("PROVIDERD_MANIFEST", str(manifest(host, slug)))
     bus = FakeBus(host / "bus", systemd())
     code = (
-        "import sys; from agent.front import early; got = early.begin(['h']); "
+        f"import sys; from agent.front import early; got = early.begin(['{slug}']); "
         "modules = sorted(sys.modules); import json; "
-        "print(json.dumps([got.start is not None and got.start.from_record, modules]))"
+        "said = [(r.name, r.levelno, r.getMessage()) for r in got.records]; "
+        "print(json.dumps([got.start is not None and got.start.from_record, modules, said]))"
     )
     r = subprocess.run(
         [sys.executable, "-S", "-c", code],  # -S: what site imports (an editable install's
@@ -235,11 +243,18 @@ def test_deciding_from_the_record_imports_no_validation(
         check=True,
     )
     bus.thread.join(5)
-    decided, modules = json.loads(r.stdout)
+    decided, modules, lines = json.loads(r.stdout)
     assert decided, r.stderr
     heavy = {"agent.spec.manifest", "agent.spec.values", "agent.systemd.units", "tomllib"}
-    heavy |= {"logging", "typing", "dataclasses", "pathlib", "tempfile", "re"}  # ms each
+    heavy |= {"agent.spec.provider", "agent.spec.paths", "agent.spec.files", "agent.spec.sizes"}
+    heavy |= {"logging", "typing", "dataclasses", "pathlib", "tempfile", "contextlib"}  # ms each
+    heavy |= {"re"} if slug == "h" else set()
     assert heavy.isdisjoint(modules), sorted(heavy & set(modules))
+    if slug == "g":
+        assert "agent.gpu.quick" in modules  # placed, and at once
+        footprint = host / "state" / "footprints" / "g.json"
+        warning = ["agent.gpu.footprint", 30]
+        assert [w[:2] for w in lines if str(footprint) in w[2]] == [warning], lines
 
 
 @pytest.mark.parametrize(("devices", "card"), [("[1]", "GPU-b")])
