@@ -14,7 +14,7 @@ unit's process in its cgroup, the unit's set-up (its sandbox), the interpreter's
 model's own load, the front's probe and the relay; the last round's journal follows.
 
     python3 bench/bench_cold_systemd.py [--deb dist/providerd_0.1.0_all.deb] [--rounds N]
-                                        [--load S] [--keep] [--decided]
+                                        [--load S] [--keep] [--decided | --gpu]
                                         [--worker-dropin TEXT | --warm-cgroups] [--ab]
 
 Needs root (systemd-nspawn) and the cached base tree of the container tier
@@ -134,10 +134,13 @@ for i in range(rounds):
 """
 
 
-def manifest(load: float, decided: bool) -> str:
+def manifest(load: float, decided: bool, gpu: bool = False) -> str:
     # network = "host" without worker_port: the front picks a free port at each start, so
     # it decides the start and starts the worker itself, as for a GPU provider.
     isolation = '[isolation]\nnetwork = "host"\n' if decided else ""
+    # A GPU provider on the fake card (FAKE_CARDS): the front places it, writes worker.env
+    # and DeviceAllow=, then asks for the start.
+    isolation += '[gpu]\ndevices = "auto"\nvram_budget_gb = 1\n' if gpu else ""
     return (
         textwrap.dedent(
             f"""\
@@ -155,6 +158,11 @@ def manifest(load: float, decided: bool) -> str:
         )
         + isolation
     )
+
+
+# --gpu: one fake card (agent.gpu.nvml.DirNvml), which the front's unit is pointed at.
+FAKE_NVML = "/srv/providerd-bench-gpus"
+FAKE_CARDS = [{"uuid": "GPU-bench-0", "total": 16 << 30, "name": "Fake GPU"}]
 
 
 # --warm-cgroups: a process that moves itself between two cgroups every 4 ms. Moving a
@@ -196,6 +204,9 @@ def breakdown(ct: Container, since: str) -> list[str]:
         "ready after",
         "Worker ready",
         "Adopting",
+        "Asked for the worker's start first",
+        "Not asking for the worker's start first",
+        "Failed to ask for the worker's start first",
     )
     after = f"--after-cursor='{since}'" if since else ""
     out = ct.sh(
@@ -247,6 +258,32 @@ def model_stamps(ct: Container, since: str) -> list[dict[str, float]]:
     return [r for r in rounds if {"started", "listens"} <= r.keys()]
 
 
+def early_starts(ct: Container, since: str) -> list[dict[str, float]]:
+    """The front's own account of each early start since `since` (agent.front.early's
+    "Asked for the worker's start first, T ms into the front: record R, decision D, bus B
+    ms"), as {"into the front": T, "record": R, …}."""
+    out = ct.sh(
+        f"journalctl -q --no-pager -o cat --after-cursor='{since}' -u provider@{SLUG}.service",
+        check=False,
+    ).out
+    found = []
+    for line in out.splitlines():
+        _, _, rest = line.partition("Asked for the worker's start first, ")
+        if not rest or " ms into the front: " not in rest:
+            continue
+        took, _, parts = rest.partition(" ms into the front: ")
+        try:
+            got = {"into the front": float(took)}
+            for part in parts.split(", "):
+                words = part.split()
+                if len(words) >= 2 and words[1].replace(".", "", 1).isdigit():
+                    got[words[0]] = float(words[1])
+        except ValueError:
+            continue
+        found.append(got)
+    return found
+
+
 COLUMNS = ("to unit", "set-up", "to line", "model", "probe", "relay", "cpu")
 
 
@@ -282,6 +319,12 @@ def main() -> int:
         "the path a GPU provider takes, without NVML), instead of one systemd starts beside it",
     )
     ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="a GPU provider on a fake card (agent.gpu.nvml.DirNvml): the front decides its "
+        "start (placement, worker.env, DeviceAllow=, StartUnit)",
+    )
+    ap.add_argument(
         "--worker-dropin",
         default="",
         help="text of an extra drop-in for the worker unit, to measure what a directive costs "
@@ -311,6 +354,8 @@ def main() -> int:
         ap.error("--ab needs --worker-dropin, --front-dropin or --warm-cgroups")
     if args.ab and dropin and args.warm_cgroups:
         ap.error("--ab compares one change: a drop-in or --warm-cgroups")
+    if args.gpu and args.decided:
+        ap.error("--gpu is a start the front decides already; --decided is the CPU one")
     if os.geteuid() != 0:
         print("bench_cold_systemd: needs root (systemd-nspawn)", file=sys.stderr)
         return 2
@@ -320,7 +365,18 @@ def main() -> int:
         return 2
     name = f"providerd-bench-{os.getpid()}"
     with installed(deb, base_tarball(), name, prepare, keep=args.keep) as ct:
-        ct.write(f"/etc/providerd/providers/{SLUG}.toml", manifest(args.load, args.decided))
+        if args.gpu:
+            ct.write(f"{FAKE_NVML}/cards.json", json.dumps(FAKE_CARDS))
+            ct.write(
+                f"/etc/systemd/system/provider@{SLUG}.service.d/60-fake-nvml.conf",
+                f"[Service]\nEnvironment=PROVIDERD_NVML_FAKE={FAKE_NVML}\n",
+            )
+        ct.write(
+            f"/etc/providerd/providers/{SLUG}.toml", manifest(args.load, args.decided, args.gpu)
+        )
+        # The generator writes no early-start record for a file changed within 1 s of its
+        # run (agent.systemd.early_record.RACY_NS): let the manifest settle first.
+        time.sleep(1.1)
         ct.sh("providerctl reload")
         dropins = {
             f"/etc/systemd/system/provider-worker@{SLUG}.service.d/90-bench.conf": args.worker_dropin,
@@ -366,6 +422,7 @@ def main() -> int:
             rounds = client(args.rounds, warm=args.warm_cgroups)
         journal = breakdown(ct, since)
         stamps = model_stamps(ct, first)
+        asked = early_starts(ct, first)
         version = ct.sh("systemctl --version | head -n 1", check=False).out.strip()
     extra = f", worker drop-in {args.worker_dropin!r}" if args.worker_dropin else ""
     extra += f", front drop-in {args.front_dropin!r}" if args.front_dropin else ""
@@ -373,6 +430,8 @@ def main() -> int:
         extra += ", a cgroup move every 4 ms meanwhile (--warm-cgroups)"
     if args.decided:
         extra += ", started by the front (network = host, a port per start)"
+    if args.gpu:
+        extra += ', a GPU provider (devices = "auto") on a fake card, started by the front'
     out = [
         f"Cold start under systemd ({version}), container tier, model load {args.load:g} s, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}{extra}",
@@ -435,6 +494,16 @@ def main() -> int:
             f"added{' (' + variant + ')' if variant else ''}: median "
             f"{statistics.median(values):.1f} ms, min {min(values):.1f}, "
             f"max {max(values):.1f} (target: median <= 30 ms)"
+        )
+    if asked:
+        keys = list(dict.fromkeys(k for a in asked for k in a))
+        out.append(
+            f"the front's early start ({len(asked)} rounds, medians): "
+            + ", ".join(
+                f"{k} {statistics.median(a[k] for a in asked if k in a):.1f} ms"
+                + (f" ({sum(k in a for a in asked)} rounds)" if k in ("record", "manifest") else "")
+                for k in keys
+            )
         )
     out.append("last round's journal (monotonic s):")
     out += [f"  {line}" for line in journal]
