@@ -422,6 +422,13 @@ class Wrapper:
             if self.probe_host.startswith("127.") and self.probe_host != "127.0.0.1":
                 sock.bind((self.probe_host, 0))  # a host-network worker's own loopback
             sock.connect((self.probe_host, self.port))
+            if sock.getsockname() == sock.getpeername():
+                # Bound to the model's own port while nothing listens on it, the probe's
+                # connect reaches the probe itself (TCP's simultaneous open): not the model.
+                # Reset, not closed: a TIME_WAIT on that port would refuse the model's bind.
+                linger = (1).to_bytes(4, sys.byteorder) + bytes(4)  # struct linger {1, 0}
+                sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_LINGER, linger)
+                raise ConnectionRefusedError("connected to itself")
             self.connected = True
             if self.kind == "tcp":
                 return None

@@ -7,8 +7,10 @@ import socket
 import subprocess
 import sys
 import threading
+import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.net import free_port
@@ -283,3 +285,25 @@ def test_a_missing_credential_is_one_line(tmp_path: Path) -> None:
         worker.credential_environment(("GONE",), {"CREDENTIALS_DIRECTORY": str(tmp_path)})
     with pytest.raises(Failure, match=r"CREDENTIALS_DIRECTORY is not set"):
         worker.credential_environment(("X",), {})
+
+
+def test_a_probe_that_reaches_itself_is_no_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host-network worker's probe binds its loopback address, port 0: the kernel may give
+    it the model's own port while nothing listens there yet, and the connect then reaches
+    the probe itself. Made certain here by binding that port, as the kernel may; the probe
+    leaves nothing on that port that would refuse the model's bind (a TIME_WAIT)."""
+    port = free_port()
+
+    class OwnPort(socket.socket):
+        def bind(self, address: Any) -> None:
+            super().bind((address[0], port))
+
+    ns = types.SimpleNamespace(**vars(worker._socket))
+    ns.socket = OwnPort
+    monkeypatch.setattr(worker, "_socket", ns)
+    w = make_wrapper("tcp", port)
+    w.probe_host = "127.0.0.2"
+    assert w.probe() == "connection refused"
+    assert not w.connected
+    with socket.socket() as model:  # nothing left on the port to refuse the model's bind
+        model.bind(("127.0.0.2", port))
