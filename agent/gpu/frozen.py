@@ -4,7 +4,8 @@ The front's early start places a GPU worker on the way to its StartUnit
 (`agent.front.early`), where `dataclasses` (with `inspect`, `ast`, `re` …) and `typing`
 cost milliseconds to import. `Frozen` gives what a frozen dataclass gives the GPU's
 values: equality, a hash and a repr over the fields (the class's `__slots__`), and no
-assignment after `__init__`.
+assignment after `__init__`. A subclass's `__init__` takes its fields by their names (what
+copying and pickling pass it).
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ class Frozen:
     def __hash__(self) -> int:
         return hash((type(self).__name__, self._values()))
 
+    def __reduce__(self) -> tuple[object, ...]:  # copy and pickle: through `__init__`
+        return (_make, (type(self), tuple(zip(type(self).__slots__, self._values(), strict=True))))
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in type(self).__slots__)
         return f"{type(self).__name__}({fields})"
+
+
+def _make(cls: type[Frozen], fields: tuple[tuple[str, object], ...]) -> Frozen:
+    return cls(**dict(fields))

@@ -3,6 +3,9 @@ never changed once made, as the frozen dataclasses they replace were."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 
 from agent.gpu.nvml import Card, GpuProcess
@@ -51,3 +54,12 @@ def test_a_request_asks_as_its_fields_say() -> None:
     )
     assert auto.uses_gpu and not Request("c", "none").uses_gpu
     assert Request("g", (0, "GPU-b")) == Request("g", (0, "GPU-b"), 1, None, 0)
+
+
+def test_copied_and_pickled_as_they_are() -> None:
+    plan = Plan(Placement((card(), card(free=1))), ("old",), 3)
+    assert copy.copy(plan) == plan and copy.deepcopy(plan) == plan
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    assert pickle.loads(pickle.dumps(Request("g", (1,), 1, None, 2))) == Request(
+        "g", (1,), 1, None, 2
+    )
