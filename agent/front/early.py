@@ -397,6 +397,7 @@ def _admit(decision: _Decision, early: Early) -> Admitted | None:
 
     assert decision.gpu is not None
     if decision.headroom is None:
+        early.hold()  # reading providerd.toml (the record has no headroom) may log
         early.headroom_bytes, problems = gpu_headroom()
         for problem in problems:
             early.note(WARNING, "%s", problem)
