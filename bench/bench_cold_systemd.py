@@ -18,7 +18,8 @@ model's own load, the front's probe and the relay; the last round's journal foll
                                         [--worker-dropin TEXT | --warm-cgroups] [--ab]
 
 Needs root (systemd-nspawn) and the cached base tree of the container tier
-(tests/system/base-rootfs.sh builds it). Writes bench/results/cold_systemd.txt.
+(tests/system/base-rootfs.sh builds it). Writes bench/results/cold_systemd.txt
+(cold_systemd_decided.txt with --decided, cold_systemd_gpu.txt with --gpu).
 """
 
 from __future__ import annotations
@@ -510,7 +511,8 @@ def main() -> int:
     text = "\n".join(out) + "\n"
     print(text, end="")
     if not args.no_write:
-        RESULTS.write_text(text)
+        mode = "_gpu" if args.gpu else "_decided" if args.decided else ""
+        RESULTS.with_name(f"cold_systemd{mode}.txt").write_text(text)
     return 0
 
 
