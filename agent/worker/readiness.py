@@ -20,9 +20,9 @@ import errno
 import os
 import select
 import socket
-import struct
 
 from agent.spec.provider import Address, Ready
+from agent.worker.wrapper import reaches_itself
 
 PROBE_FIRST_S = 0.001
 PROBE_GROWTH = 1 / 500  # of the time since the start
@@ -101,12 +101,7 @@ async def connected(loop: asyncio.AbstractEventLoop, address: Address) -> socket
             err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if err:
             raise OSError(err, os.strerror(err))
-        if sock.getsockname() == sock.getpeername():
-            # Bound to the model's own port while nothing listens on it (a host-network
-            # worker's loopback above), the connect reaches this socket itself (TCP's
-            # simultaneous open): not the model. Reset, not closed: a TIME_WAIT on that port
-            # would refuse the model's bind.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        if reaches_itself(sock):
             raise ConnectionRefusedError(errno.ECONNREFUSED, "connected to itself")
     except BaseException:
         sock.close()

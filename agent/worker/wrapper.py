@@ -422,12 +422,7 @@ class Wrapper:
             if self.probe_host.startswith("127.") and self.probe_host != "127.0.0.1":
                 sock.bind((self.probe_host, 0))  # a host-network worker's own loopback
             sock.connect((self.probe_host, self.port))
-            if sock.getsockname() == sock.getpeername():
-                # Bound to the model's own port while nothing listens on it, the probe's
-                # connect reaches the probe itself (TCP's simultaneous open): not the model.
-                # Reset, not closed: a TIME_WAIT on that port would refuse the model's bind.
-                linger = (1).to_bytes(4, sys.byteorder) + bytes(4)  # struct linger {1, 0}
-                sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_LINGER, linger)
+            if reaches_itself(sock):
                 raise ConnectionRefusedError("connected to itself")
             self.connected = True
             if self.kind == "tcp":
@@ -609,6 +604,22 @@ def _load_pdeathsig_setter() -> Callable[[], object] | None:
         ctypes.c_ulong(0),
     )
     return lambda: prctl(*args)
+
+
+def reaches_itself(sock: _socket.socket) -> bool:
+    """Whether a probe's connect reached the probe itself. Bound to the model's own port
+    while nothing listens on it (a host-network worker's loopback), a connect reaches the
+    socket itself (TCP's simultaneous open): not the model. Such a socket is set to reset,
+    not close: a TIME_WAIT on that port would refuse the model's bind. A peer already gone
+    (the model accepted and reset) is not itself."""
+    try:
+        if sock.getsockname() != sock.getpeername():
+            return False
+    except OSError:
+        return False
+    linger = (1).to_bytes(4, sys.byteorder) + bytes(4)  # struct linger {1, 0}
+    sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_LINGER, linger)
+    return True
 
 
 def _one_line(e: BaseException) -> str:

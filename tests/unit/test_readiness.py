@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import types
 from typing import Any
 
 import pytest
@@ -27,7 +28,7 @@ def test_a_probe_that_reaches_itself_is_no_answer(monkeypatch: pytest.MonkeyPatc
 
     address = Address("127.0.0.2", port)
     with monkeypatch.context() as m:
-        m.setattr(readiness.socket, "socket", OwnPort)
+        m.setattr(readiness, "socket", types.SimpleNamespace(**{**vars(socket), "socket": OwnPort}))
         assert asyncio.run(readiness.answers(address, Ready("tcp"))) is None
     with socket.socket() as model:
         model.bind(("127.0.0.2", port))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import subprocess
@@ -307,3 +308,17 @@ def test_a_probe_that_reaches_itself_is_no_answer(monkeypatch: pytest.MonkeyPatc
     assert not w.connected
     with socket.socket() as model:  # nothing left on the port to refuse the model's bind
         model.bind(("127.0.0.2", port))
+
+
+def test_a_peer_gone_before_the_check_is_not_the_probe_itself() -> None:
+    """A model that accepted the probe and reset it at once leaves no peer to compare
+    with: that is the model (it accepted), never a connection to itself."""
+
+    class Reset:
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.2", 1234)
+
+        def getpeername(self) -> tuple[str, int]:
+            raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+    assert worker.reaches_itself(Reset()) is False  # type: ignore[arg-type]
