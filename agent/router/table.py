@@ -161,53 +161,56 @@ def dechunk(buf: bytes | bytearray, start: int, end: int) -> bytes:
 
 # What json.loads runs (the C scanner), without the Python around it.
 _SCAN: Callable[[str, int], tuple[object, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
-
-
-def _decode(body: bytes | bytearray) -> object:
-    """json.loads(body), the usual case the short way: a body that begins `{` and a byte
-    other than NUL is UTF-8 to json.loads as well (no look for UTF-16 or UTF-32), has no
-    whitespace before its value, and is scanned by the same C scanner; what may follow the
-    value is JSON whitespace alone, as json.loads requires."""
-    if body[:1] != b"{" or body[1:2] == b"\x00":
-        return json.loads(body)
-    text = body.decode("utf-8", "surrogatepass")
-    try:
-        doc, end = _SCAN(text, 0)
-    except StopIteration:  # no value at 0: not after a "{", but as json.loads would say
-        raise json.JSONDecodeError("Expecting value", text, 0) from None
-    if end != len(text) and text[end:].strip(" \t\n\r"):
-        raise json.JSONDecodeError("Extra data", text, end)
-    return doc
+# What the short way or json.loads raise for a body that is not JSON (UnicodeDecodeError is
+# a ValueError; IndexError and StopIteration come from the short way alone).
+_NOT_JSON = (ValueError, RecursionError, StopIteration, IndexError)
 
 
 def model_of(body: bytes | bytearray) -> str:
-    """The top-level `model` of a JSON request body. Raises Refusal(400)."""
-    if not body or body.isspace():
-        raise Refusal(
-            400,
-            'The request has no body; the router routes by the "model" field of a JSON body',
-            "missing_model",
-        )
+    """The top-level `model` of a JSON request body, as `json.loads(body)["model"]` reads
+    it (the last of duplicate keys, escapes decoded). Raises Refusal(400).
+
+    The usual body the short way, with the same result: a body that begins `{` and a byte
+    other than NUL is UTF-8 to json.loads as well (no UTF-16 or UTF-32 detected, no BOM),
+    has no whitespace before its value, and is scanned by the same C scanner; what may
+    follow the value is JSON whitespace alone, as json.loads requires. Anything else goes
+    to json.loads itself. The checks for an empty body come only once it failed to parse
+    (an empty or all-blank body never parses)."""
     try:
-        doc = _decode(body)
-    except (ValueError, RecursionError):
+        if body.startswith(b"{") and body[1] != 0:  # IndexError: b"{", not JSON either way
+            text = body.decode("utf-8", "surrogatepass")
+            doc, end = _SCAN(text, 0)  # StopIteration: no value (never, after "{")
+            if end != len(text) and text[end:].strip(" \t\n\r"):
+                raise ValueError("Extra data")
+        else:
+            doc = json.loads(body)
+    except _NOT_JSON:
+        if not body or body.isspace():
+            raise Refusal(
+                400,
+                'The request has no body; the router routes by the "model" field of a JSON body',
+                "missing_model",
+            ) from None
         raise Refusal(
             400,
             'The request body is not valid JSON; the router routes by its "model" field',
             "invalid_json",
         ) from None
-    if not isinstance(doc, dict):
+    model = doc.get("model") if type(doc) is dict else _NOT_AN_OBJECT
+    if type(model) is str and model:
+        return model
+    if model is _NOT_AN_OBJECT:
         raise Refusal(
             400,
             'The request body is not a JSON object; the router routes by its "model" field',
             "invalid_json",
         )
-    model = doc.get("model")
     if model is None:
         raise Refusal(400, 'The request body has no "model" field', "missing_model")
-    if not isinstance(model, str) or not model:
-        raise Refusal(400, 'The request body\'s "model" is not a non-empty string', "invalid_model")
-    return model
+    raise Refusal(400, 'The request body\'s "model" is not a non-empty string', "invalid_model")
+
+
+_NOT_AN_OBJECT = object()
 
 
 def table_from(providers: Iterable[Provider]) -> Table:
