@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self, TypeVar
@@ -320,6 +321,24 @@ class RouterCounters(_Kept):
             if name is None:
                 name = self._names[k] = _router_key(*k)
             self.live.add(name)
+
+    def counter(self, provider: str, model: str, status: int) -> Callable[[], None]:
+        """`count(provider, model, status)` as a function of nothing, for a caller that
+        counts the same labels again and again: their key and live name spelt once."""
+        k = (provider, model, status)
+        requests = self.requests
+        name = self._names.get(k)
+        if name is None:
+            name = self._names[k] = _router_key(*k)
+
+        def one() -> None:
+            requests[k] = requests.get(k, 0) + 1
+            self.dirty = True
+            live = self.live
+            if live is not None:
+                live.add(name)
+
+        return one
 
     def to_json(self) -> list[dict[str, Any]]:
         return [

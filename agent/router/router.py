@@ -134,16 +134,29 @@ class Router:
         self._flush_timer: asyncio.TimerHandle | None = None
 
     def count(self, provider: str, model: str, status: int) -> None:
-        """One answered request (`providerd_router_requests_total`), saved within 5 s."""
+        """One answered request (`providerd_router_requests_total`): in the live file at
+        once, saved within ROUTER_FLUSH_S while accepting (`_flush_due`) and at the end."""
         self.counters.count(provider, model, status)
-        if self._flush_timer is None:
-            self._flush_timer = self.loop.call_later(counters.ROUTER_FLUSH_S, self.flush)
+
+    def counter(self, provider: str, model: str, status: int) -> Callable[[], None]:
+        """`count(provider, model, status)` as a function of nothing, made once for labels
+        that are counted again and again (a route's answers)."""
+        return self.counters.counter(provider, model, status)
 
     def flush(self) -> None:
+        """Save the counters if they changed (a failure is logged: tried again later)."""
+        counters.save_router(self.counters, log)
+
+    def _flush_due(self) -> None:
+        """Every ROUTER_FLUSH_S while accepting: no timer made or moved per request."""
+        self.flush()
+        self._flush_timer = self.loop.call_later(counters.ROUTER_FLUSH_S, self._flush_due)
+
+    def _stop_flushing(self) -> None:
         if self._flush_timer is not None:
             self._flush_timer.cancel()
             self._flush_timer = None
-        counters.save_router(self.counters, log)
+        self.flush()
 
     def note(self, status: int, what: str, message: str) -> None:
         """A refusal, logged at info level, rate-limited per status."""
@@ -154,6 +167,8 @@ class Router:
     def start_accepting(self) -> None:
         """Accept from now on (and exit once idle, under systemd)."""
         self.listening.start()
+        if self._flush_timer is None:
+            self._flush_timer = self.loop.call_later(counters.ROUTER_FLUSH_S, self._flush_due)
         self._idle_since = self.loop.time()
         if self._idle_timer is None and self.busy == 0:
             self._arm_idle()
@@ -176,7 +191,11 @@ class Router:
         self.in_flight -= 1
         if self.in_flight == 0 and self._quiet is not None:
             self._quiet.set()
-        self._busy(-1)
+        self.busy -= 1  # _busy(-1), spelt out: once per request
+        if self.busy == 0:
+            self._idle_since = self.loop.time()
+            if self._idle_timer is None:
+                self._arm_idle()
 
     def _busy(self, delta: int) -> None:
         """The idle timer moves lazily: when busy comes back to 0 it notes the time, and
@@ -216,7 +235,7 @@ class Router:
         self.notify(f"STOPPING=1\nSTATUS={reason}")
         self.listening.abort_all()
         self.site.close()
-        self.flush()
+        self._stop_flushing()
         self.done.set()
 
     async def stop(self, grace_s: float) -> None:
@@ -239,7 +258,7 @@ class Router:
         self.listening.abort_all()
         await self.listening.wait_closed(5.0)
         self.site.close()
-        self.flush()
+        self._stop_flushing()
         self.done.set()
 
 

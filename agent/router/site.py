@@ -53,6 +53,7 @@ class Routing(Protocol):
     def begin(self, conn: ClientConn) -> None: ...
     def end(self, conn: ClientConn) -> None: ...
     def count(self, provider: str, model: str, status: int) -> None: ...
+    def counter(self, provider: str, model: str, status: int) -> Callable[[], None]: ...
 
 
 log = logging.getLogger("providerd.router")
@@ -62,14 +63,16 @@ ROUTES_MAX = 4096  # model names whose route is remembered
 
 class _Lease:
     """A request in flight, with the API key the gate let it through with (None: keys off),
-    so that its scope is checked against the key found once, by the gate."""
+    so that its scope is checked against the key found once, by the gate, and, once its
+    body named the model, the route it takes."""
 
-    __slots__ = ("conn", "key", "router")
+    __slots__ = ("conn", "key", "route", "router")
 
     def __init__(self, router: Routing, conn: ClientConn, key: ApiKey | None) -> None:
         self.router: Routing | None = router
         self.conn = conn
         self.key = key
+        self.route: _Route | None = None
         router.begin(conn)
 
     def release(self) -> None:
@@ -79,14 +82,16 @@ class _Lease:
 
 
 class _Route:
-    """Where the requests for one model name go, and what they are counted under."""
+    """Where the requests for one model name go, and what they are counted under: the
+    count of each answer status, made once (`Routing.counter`) and called per request."""
 
-    __slots__ = ("label", "slug", "target")
+    __slots__ = ("counts", "label", "slug", "target")
 
     def __init__(self, provider: Provider, exact: str) -> None:
         self.slug = provider.slug
         self.label = (provider.slug, exact)  # exact: the name if the table spells it, or ""
         self.target: Target = (target_address(provider.addresses[0]), 0)
+        self.counts: dict[int, Callable[[], None]] = {}  # answer status -> its count
 
 
 class RouterSite:
@@ -186,11 +191,17 @@ class RouterSite:
         data, start = ex.data, ex.head_len
         body = dechunk(data, start, len(data)) if req.body == "chunked" else data[start:]
         model = model_of(body)
-        route = self.route(model)
+        route = self.routes.get(model) if self.routes_of is self.router.table else None
+        if route is None:
+            route = self.route(model)
         ex.label = route.label
-        key = self.key(ex)
-        if key is not None:
-            self.in_scope(key, route.slug)
+        lease = ex.lease
+        if isinstance(lease, _Lease):
+            lease.route = route
+        if self.router.keys is not None:
+            key = self.key(ex)  # Refusal(401) if the gate found none
+            if key is not None:
+                self.in_scope(key, route.slug)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "Routing %s %s for model %s to %s",
@@ -305,12 +316,21 @@ class RouterSite:
             raise HttpError(502, "the provider switched protocols, which is not routed")
 
     def answered(self, ex: Exchange, status: int) -> None:
-        self.router.count(*ex.label, status)
+        lease = ex.lease
+        route = lease.route if isinstance(lease, _Lease) else None
+        if route is None:  # refused before its model was looked up
+            self.router.count(*ex.label, status)
+            return
+        count = route.counts.get(status)
+        if count is None:
+            count = route.counts[status] = self.router.counter(*route.label, status)
+        count()
 
     def release_slot(self, ex: Exchange, up: UpstreamConn | None) -> None:
         if up is not None:
             if up.usable():
-                self.pool(ex.label[0]).keep(up, 0)
+                pool = self.pools.get(ex.label[0])
+                (pool if pool is not None else self.pool(ex.label[0])).keep(up, 0)
             else:
                 up.close()
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from support.rawhttp import RawClient, Reader, Request, read_request
 
-from agent.net import ratelog, sockio
+from agent.net import counters, ratelog, sockio
 from agent.router import router as router_module
 from agent.router.router import Router, Table
 from agent.spec.apikeys import ApiKey, KeySet
@@ -826,3 +826,36 @@ def test_a_new_table_does_not_reuse_a_connection_to_an_old_address(
     status, _, body = c.response()
     assert (status, json.loads(body)["provider"]) == (200, "beta")
     assert [len(alpha.requests), len(beta.requests)] == [1, 1]
+
+
+def test_each_answer_is_counted_at_once_and_saved_within_the_flush_interval(
+    start: Callable[..., RunningRouter],
+    alpha: FakeProvider,
+    beta: FakeProvider,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """By provider, declared name ("" for a pattern's or an unknown name) and status: in
+    the live file as each answer goes out (what a router killed outright leaves), in the
+    saved JSON within ROUTER_FLUSH_S while it runs."""
+    monkeypatch.setattr(counters, "ROUTER_FLUSH_S", 0.2)
+    r = start(alpha.provider(names=("a-1",)), beta.provider(patterns=("b-.*",)))
+    c = Client(r.port)
+    for request in (post("a-1"), post("a-1"), post("b-7"), post("nobody"), post("a-1")):
+        c.send(request)
+        c.response()
+    c.send(post("a-1").replace(b"application/json", b"text/plain"))
+    assert c.response()[0] == 415
+    want = {("alpha", "a-1", 200): 3, ("beta", "", 200): 1, ("", "", 404): 1, ("", "", 415): 1}
+    assert counters.load_router().requests == want  # the live file, before any save
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            saved = counters.RouterCounters.from_json(
+                json.loads(counters.router_file().read_text())
+            )
+        except FileNotFoundError:
+            saved = counters.RouterCounters()
+        if saved.requests == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert saved.requests == want
