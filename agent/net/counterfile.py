@@ -72,7 +72,7 @@ class CounterFile:
         """A fresh file at `path` holding `values` (replacing, atomically, what was there).
         Raises OSError."""
         self.path = path
-        self._slots: dict[str, int] = {}  # name -> index of its value in `_words`
+        self._slots: dict[str, int] = {}  # name -> index of its value in `words`
         body = bytearray()
         for name, value in values.items():
             raw = name.encode()[:MAX_NAME]
@@ -101,21 +101,28 @@ class CounterFile:
         finally:
             os.close(fd)
         self._used = len(body)
-        self._words = memoryview(self._map).cast("Q")
+        self.words = memoryview(self._map).cast("Q")  # the file as u64 words: the values
 
     def add(self, name: str, n: int = 1) -> None:
         slot = self._slots.get(name)
         if slot is None:
             slot = self._append(name)
-        self._words[slot] += n
+        self.words[slot] += n
+
+    def slot(self, name: str) -> int:
+        """Where `name`'s value is in `words` (a record at 0 made for a new name), for a
+        writer that adds to it directly: `file.words[slot] += 1`. `words` is replaced as
+        the file grows (read it anew each time); a slot stays."""
+        slot = self._slots.get(name)
+        return slot if slot is not None else self._append(name)
 
     def set_max(self, name: str, value: int) -> None:
         """Raise `name` to `value` if it is lower (never lowers a counter)."""
         slot = self._slots.get(name)
         if slot is None:
             slot = self._append(name)
-        if value > self._words[slot]:
-            self._words[slot] = value
+        if value > self.words[slot]:
+            self.words[slot] = value
 
     def _append(self, name: str) -> int:
         raw = name.encode()[:MAX_NAME]
@@ -123,23 +130,23 @@ class CounterFile:
         at = HEADER + self._used
         if at + size > len(self._map):  # a system call only when a new name needs a page
             grown = (at + size) // PAGE * PAGE + PAGE
-            self._words.release()
+            self.words.release()
             self._map.resize(grown)  # the file too
-            self._words = memoryview(self._map).cast("Q")
+            self.words = memoryview(self._map).cast("Q")
         struct.pack_into("<H", self._map, at, len(raw))
         self._map[at + 2 : at + 2 + len(raw)] = raw
-        self._words[(at + size - 8) // 8] = 0
+        self.words[(at + size - 8) // 8] = 0
         self._used += size
-        self._words[1] = self._used  # the record is complete: publish it
+        self.words[1] = self._used  # the record is complete: publish it
         slot = (at + size - 8) // 8
         self._slots[name] = slot
         return slot
 
     def values(self) -> dict[str, int]:
-        return {name: self._words[slot] for name, slot in self._slots.items()}
+        return {name: self.words[slot] for name, slot in self._slots.items()}
 
     def close(self) -> None:
         """Unmap (the file stays, for whoever comes next)."""
-        self._words.release()
+        self.words.release()
         with contextlib.suppress(BufferError):
             self._map.close()

@@ -327,18 +327,25 @@ class RouterCounters(_Kept):
         counts the same labels again and again: their key and live name spelt once."""
         k = (provider, model, status)
         requests = self.requests
+        live = self.live  # as it is now: made at load, for good
         name = self._names.get(k)
         if name is None:
             name = self._names[k] = _router_key(*k)
+        if live is None:
 
-        def one() -> None:
+            def in_memory() -> None:
+                requests[k] = requests.get(k, 0) + 1
+                self.dirty = True
+
+            return in_memory
+        slot = live.slot(name)
+
+        def in_both() -> None:
             requests[k] = requests.get(k, 0) + 1
             self.dirty = True
-            live = self.live
-            if live is not None:
-                live.add(name)
+            live.words[slot] += 1
 
-        return one
+        return in_both
 
     def to_json(self) -> list[dict[str, Any]]:
         return [
