@@ -23,6 +23,7 @@ cause), CPU per request of each process, and throughput of a 100 MiB streamed re
 through each path. Writes the table to bench/results/router.txt.
 
     python3 bench/bench_router.py [--quick]
+    python3 bench/bench_router.py --profile    # only the in-process figures, and cProfile's
 """
 
 from __future__ import annotations
@@ -190,10 +191,12 @@ def throughput(port: int) -> float:
 # -- in one process, without I/O --------------------------------------------------------------
 
 
-def in_process(n: int, rounds: int) -> dict[str, float]:
+def in_process(n: int, rounds: int, profile: bool = False) -> dict[str, float]:
     """CPU µs per request of the router's site and of a bare front's site on the same core,
     driven in this process through in-memory transports (no system calls, no other
-    process): the Python each adds, steadier than any socket figure on a shared machine."""
+    process): the Python each adds, steadier than any socket figure on a shared machine.
+    With `profile`, each path's n requests also run once under cProfile, whose table (the
+    functions by their own time) goes to stderr."""
     import asyncio
     import tempfile
 
@@ -265,6 +268,14 @@ def in_process(n: int, rounds: int) -> dict[str, float]:
 
         for _ in range(1000):
             one()
+        if profile:
+            import cProfile
+            import pstats
+
+            profiler = cProfile.Profile()
+            profiler.runcall(lambda: [one() for _ in range(n)])
+            print(f"-- {name}: {n} requests under cProfile", file=sys.stderr)
+            pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(30)
         best = float("inf")
         for _ in range(rounds):
             t = time.process_time_ns()
@@ -279,6 +290,7 @@ def in_process(n: int, rounds: int) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="in one process only, profiled")
     ap.add_argument("--role")
     ap.add_argument("arg", nargs="?", type=int)
     args = ap.parse_args()
@@ -290,6 +302,10 @@ def main() -> int:
         return 0
     if args.role == "router":
         router_main(args.arg)
+        return 0
+    if args.profile:
+        got = in_process(20_000, 3, profile=True)
+        print(f"in one process, no I/O: front {got['front']:.1f} µs, router {got['router']:.1f} µs")
         return 0
     if args.role == "in-process":
         got = in_process(20_000, 9)
