@@ -35,6 +35,36 @@ def test_values_round_trip_and_names_are_appended(tmp_path: Path) -> None:
     assert path.stat().st_size > counterfile.PAGE
 
 
+def test_a_slot_takes_direct_adds_and_stays_as_the_file_grows(tmp_path: Path) -> None:
+    path = tmp_path / "x.counters"
+    f = CounterFile(path, {"old": 2})
+    old, new = f.slot("old"), f.slot("new")
+    assert counterfile.read(path) == {"old": 2, "new": 0}
+    f.words[old] += 1
+    f.words[new] += 5
+    assert f.slot("new") == new
+    for i in range(600):  # the file grows: `words` is a new view, the slots hold
+        f.add(f"name.{i:04d}", i)
+    f.words[new] += 1
+    seen = counterfile.read(path)
+    assert seen is not None and (seen["old"], seen["new"], seen["name.0599"]) == (3, 6, 599)
+
+
+def test_a_router_counter_counts_as_count_does(tmp_path: Path) -> None:
+    log = logging.getLogger("test")
+    r = counters.load_router(log)
+    one = r.counter("m", "m-1", 200)
+    for _ in range(3):
+        one()
+    r.count("m", "m-1", 200)
+    assert r.requests == counters.load_router().requests == {("m", "m-1", 200): 4}
+    assert r.dirty
+    blocked = counters.RouterCounters()  # no live file: in memory alone
+    only = blocked.counter("m", "", 404)
+    only()
+    assert blocked.requests == {("m", "", 404): 1} and blocked.dirty
+
+
 def test_a_fresh_file_replaces_the_old_one_atomically(tmp_path: Path) -> None:
     path = tmp_path / "x.counters"
     CounterFile(path, {"a": 1}).add("a")
