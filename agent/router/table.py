@@ -161,8 +161,8 @@ def dechunk(buf: bytes | bytearray, start: int, end: int) -> bytes:
 
 # What json.loads runs (the C scanner), without the Python around it.
 _SCAN: Callable[[str, int], tuple[object, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
-# What the short way or json.loads raise for a body that is not JSON (UnicodeDecodeError is
-# a ValueError; IndexError and StopIteration come from the short way alone).
+# What the short way raises where json.loads may not take it either: UnicodeDecodeError
+# (a ValueError), JSONDecodeError, RecursionError, StopIteration; IndexError: empty.
 _NOT_JSON = (ValueError, RecursionError, StopIteration, IndexError)
 
 
@@ -170,32 +170,22 @@ def model_of(body: bytes | bytearray) -> str:
     """The top-level `model` of a JSON request body, as `json.loads(body)["model"]` reads
     it (the last of duplicate keys, escapes decoded). Raises Refusal(400).
 
-    The usual body the short way, with the same result: a body that begins `{` and a byte
-    other than NUL is UTF-8 to json.loads as well (no UTF-16 or UTF-32 detected, no BOM),
-    has no whitespace before its value, and is scanned by the same C scanner; what may
-    follow the value is JSON whitespace alone, as json.loads requires. Anything else goes
-    to json.loads itself. The checks for an empty body come only once it failed to parse
-    (an empty or all-blank body never parses)."""
+    The usual body the short way, with the same result: a body that begins `{` and that
+    the C scanner reads as UTF-8 has no NUL after the `{` (the scanner would stop there),
+    so it is UTF-8 to json.loads as well (no UTF-16 or UTF-32 detected, no BOM); it has no
+    whitespace before its value and is scanned by the same scanner; what may follow the
+    value is JSON whitespace alone, as json.loads requires. Whatever the short way fails
+    on is read again by json.loads itself, which decides."""
     try:
-        if body.startswith(b"{") and body[1] != 0:  # IndexError: b"{", not JSON either way
+        if body[0] == 0x7B:  # "{"
             text = body.decode("utf-8", "surrogatepass")
-            doc, end = _SCAN(text, 0)  # StopIteration: no value (never, after "{")
+            doc, end = _SCAN(text, 0)
             if end != len(text) and text[end:].strip(" \t\n\r"):
                 raise ValueError("Extra data")
         else:
-            doc = json.loads(body)
+            doc = _loads(body)
     except _NOT_JSON:
-        if not body or body.isspace():
-            raise Refusal(
-                400,
-                'The request has no body; the router routes by the "model" field of a JSON body',
-                "missing_model",
-            ) from None
-        raise Refusal(
-            400,
-            'The request body is not valid JSON; the router routes by its "model" field',
-            "invalid_json",
-        ) from None
+        doc = _loads(body)
     model = doc.get("model") if type(doc) is dict else _NOT_AN_OBJECT
     if type(model) is str and model:
         return model
@@ -208,6 +198,24 @@ def model_of(body: bytes | bytearray) -> str:
     if model is None:
         raise Refusal(400, 'The request body has no "model" field', "missing_model")
     raise Refusal(400, 'The request body\'s "model" is not a non-empty string', "invalid_model")
+
+
+def _loads(body: bytes | bytearray) -> object:
+    """json.loads(body). Raises Refusal(400): no body, or not JSON."""
+    if not body or body.isspace():
+        raise Refusal(
+            400,
+            'The request has no body; the router routes by the "model" field of a JSON body',
+            "missing_model",
+        )
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        raise Refusal(
+            400,
+            'The request body is not valid JSON; the router routes by its "model" field',
+            "invalid_json",
+        ) from None
 
 
 _NOT_AN_OBJECT = object()
