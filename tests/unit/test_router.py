@@ -240,7 +240,7 @@ def objects(draw: st.DrawFn) -> str:
     duplicates and blanks anywhere, now and then nested, and what may follow it."""
     members = []
     for _ in range(draw(st.integers(0, 4))):
-        key, value = draw(KEYS), draw(VALUES | st.deferred(lambda: objects()))
+        key, value = draw(KEYS), draw(st.one_of(VALUES, VALUES, VALUES, st.deferred(objects)))
         members.append(draw(BLANKS) + key + draw(BLANKS) + ":" + draw(BLANKS) + value)
     inside = ",".join(members) + draw(st.sampled_from(["", "", ",", " "]))
     return (
@@ -263,6 +263,12 @@ def objects(draw: st.DrawFn) -> str:
         ),
         st.tuples(objects(), st.sampled_from(["utf-8", "utf-8", "utf-16-le", "utf-8-sig"])).map(
             lambda t: t[0].encode(t[1], "surrogatepass")
+        ),
+        st.tuples(  # a valid object, then what may or may not follow one
+            st.dictionaries(st.sampled_from(["model", "x"]), st.text(max_size=3), max_size=2),
+            st.text(alphabet=" \t\r\n\x0b\x0c\x00,}]x\xa0\u2028", max_size=3),
+        ).map(
+            lambda t: (json.dumps(t[0], ensure_ascii=False) + t[1]).encode("utf-8", "surrogatepass")
         ),
         st.recursive(
             st.none() | st.booleans() | st.integers() | st.text(max_size=5),
