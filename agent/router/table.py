@@ -161,30 +161,29 @@ def dechunk(buf: bytes | bytearray, start: int, end: int) -> bytes:
 
 # What json.loads runs (the C scanner), without the Python around it.
 _SCAN: Callable[[str, int], tuple[object, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
-# What the short way raises where json.loads may not take it either: UnicodeDecodeError
-# (a ValueError), JSONDecodeError, RecursionError, StopIteration; IndexError: empty.
-_NOT_JSON = (ValueError, RecursionError, StopIteration, IndexError)
+# What the short way's scanning raises on a body json.loads refuses too: UnicodeDecodeError
+# (a ValueError), JSONDecodeError, RecursionError, StopIteration (no value after the "{").
+_NOT_JSON = (ValueError, RecursionError, StopIteration)
 
 
 def model_of(body: bytes | bytearray) -> str:
     """The top-level `model` of a JSON request body, as `json.loads(body)["model"]` reads
     it (the last of duplicate keys, escapes decoded). Raises Refusal(400).
 
-    The usual body the short way, with the same result: a body that begins `{` and that
-    the C scanner reads as UTF-8 has no NUL after the `{` (the scanner would stop there),
-    so it is UTF-8 to json.loads as well (no UTF-16 or UTF-32 detected, no BOM); it has no
-    whitespace before its value and is scanned by the same scanner; what may follow the
-    value is JSON whitespace alone, as json.loads requires. Whatever the short way fails
-    on is read again by json.loads itself, which decides."""
-    try:
-        if body[0] == 0x7B:  # "{"
+    The usual body the short way, with the same result: a body that begins `{` and a byte
+    other than NUL is UTF-8 to json.loads as well (no UTF-16 or UTF-32 detected, no BOM),
+    has no whitespace before its value and is scanned by the same C scanner, so where the
+    scanner fails json.loads fails too; what may follow the value is JSON whitespace
+    alone, as json.loads requires. Any other body goes to json.loads."""
+    if len(body) > 1 and body[0] == 0x7B and body[1]:  # "{" and not NUL (no slices made)
+        try:
             text = body.decode("utf-8", "surrogatepass")
             doc, end = _SCAN(text, 0)
             if end != len(text) and text[end:].strip(" \t\n\r"):
                 raise ValueError("Extra data")
-        else:
-            doc = _loads(body)
-    except _NOT_JSON:
+        except _NOT_JSON:
+            raise _invalid_json() from None
+    else:
         doc = _loads(body)
     model = doc.get("model") if type(doc) is dict else _NOT_AN_OBJECT
     if type(model) is str and model:
@@ -211,11 +210,15 @@ def _loads(body: bytes | bytearray) -> object:
     try:
         return json.loads(body)
     except (ValueError, RecursionError):
-        raise Refusal(
-            400,
-            'The request body is not valid JSON; the router routes by its "model" field',
-            "invalid_json",
-        ) from None
+        raise _invalid_json() from None
+
+
+def _invalid_json() -> Refusal:
+    return Refusal(
+        400,
+        'The request body is not valid JSON; the router routes by its "model" field',
+        "invalid_json",
+    )
 
 
 _NOT_AN_OBJECT = object()
