@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self, TypeVar
@@ -306,46 +305,24 @@ class RouterCounters(_Kept):
     requests: dict[tuple[str, str, int], int] = field(default_factory=dict)
     dirty: bool = False
     live: CounterFile | None = field(default=None, repr=False, compare=False)
-    # Each label set's name in the live file, spelt once (the labels are bounded).
-    _names: dict[tuple[str, str, int], str] = field(
+    # Each label set's slot in the live file, found once (the labels are bounded).
+    _slots: dict[tuple[str, str, int], int] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
     def count(self, provider: str, model: str, status: int) -> None:
+        """One answer: in memory, and in the live file at once, at the slot found the
+        first time (`live` is made at load, for good; a slot stays as the file grows)."""
         k = (provider, model, status)
         requests = self.requests
         requests[k] = requests.get(k, 0) + 1
         self.dirty = True
-        if self.live is not None:
-            name = self._names.get(k)
-            if name is None:
-                name = self._names[k] = _router_key(*k)
-            self.live.add(name)
-
-    def counter(self, provider: str, model: str, status: int) -> Callable[[], None]:
-        """`count(provider, model, status)` as a function of nothing, for a caller that
-        counts the same labels again and again: their key and live name spelt once."""
-        k = (provider, model, status)
-        requests = self.requests
-        live = self.live  # as it is now: made at load, for good
-        name = self._names.get(k)
-        if name is None:
-            name = self._names[k] = _router_key(*k)
-        if live is None:
-
-            def in_memory() -> None:
-                requests[k] = requests.get(k, 0) + 1
-                self.dirty = True
-
-            return in_memory
-        slot = live.slot(name)
-
-        def in_both() -> None:
-            requests[k] = requests.get(k, 0) + 1
-            self.dirty = True
+        live = self.live
+        if live is not None:
+            slot = self._slots.get(k)
+            if slot is None:
+                slot = self._slots[k] = live.slot(_router_key(*k))
             live.words[slot] += 1
-
-        return in_both
 
     def to_json(self) -> list[dict[str, Any]]:
         return [

@@ -138,11 +138,6 @@ class Router:
         once, saved within ROUTER_FLUSH_S while accepting (`_flush_due`) and at the end."""
         self.counters.count(provider, model, status)
 
-    def counter(self, provider: str, model: str, status: int) -> Callable[[], None]:
-        """`count(provider, model, status)` as a function of nothing, made once for labels
-        that are counted again and again (a route's answers)."""
-        return self.counters.counter(provider, model, status)
-
     def flush(self) -> None:
         """Save the counters if they changed (a failure is logged: tried again later)."""
         counters.save_router(self.counters, log)

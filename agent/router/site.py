@@ -53,7 +53,6 @@ class Routing(Protocol):
     def begin(self, conn: ClientConn) -> None: ...
     def end(self, conn: ClientConn) -> None: ...
     def count(self, provider: str, model: str, status: int) -> None: ...
-    def counter(self, provider: str, model: str, status: int) -> Callable[[], None]: ...
 
 
 log = logging.getLogger("providerd.router")
@@ -63,16 +62,14 @@ ROUTES_MAX = 4096  # model names whose route is remembered
 
 class _Lease:
     """A request in flight, with the API key the gate let it through with (None: keys off),
-    so that its scope is checked against the key found once, by the gate, and, once its
-    body named the model, the route it takes."""
+    so that its scope is checked against the key found once, by the gate."""
 
-    __slots__ = ("conn", "key", "route", "router")
+    __slots__ = ("conn", "key", "router")
 
     def __init__(self, router: Routing, conn: ClientConn, key: ApiKey | None) -> None:
         self.router: Routing | None = router
         self.conn = conn
         self.key = key
-        self.route: _Route | None = None
         router.begin(conn)
 
     def release(self) -> None:
@@ -82,16 +79,14 @@ class _Lease:
 
 
 class _Route:
-    """Where the requests for one model name go, and what they are counted under: the
-    count of each answer status, made once (`Routing.counter`) and called per request."""
+    """Where the requests for one model name go, and what they are counted under."""
 
-    __slots__ = ("counts", "label", "slug", "target")
+    __slots__ = ("label", "slug", "target")
 
     def __init__(self, provider: Provider, exact: str) -> None:
         self.slug = provider.slug
         self.label = (provider.slug, exact)  # exact: the name if the table spells it, or ""
         self.target: Target = (target_address(provider.addresses[0]), 0)
-        self.counts: dict[int, Callable[[], None]] = {}  # answer status -> its count
 
 
 class RouterSite:
@@ -195,9 +190,6 @@ class RouterSite:
         if route is None:
             route = self.route(model)
         ex.label = route.label
-        lease = ex.lease
-        if isinstance(lease, _Lease):
-            lease.route = route
         if self.router.keys is not None:
             key = self.key(ex)  # Refusal(401) if the gate found none
             if key is not None:
@@ -316,15 +308,7 @@ class RouterSite:
             raise HttpError(502, "the provider switched protocols, which is not routed")
 
     def answered(self, ex: Exchange, status: int) -> None:
-        lease = ex.lease
-        route = lease.route if isinstance(lease, _Lease) else None
-        if route is None:  # refused before its model was looked up
-            self.router.count(*ex.label, status)
-            return
-        count = route.counts.get(status)
-        if count is None:
-            count = route.counts[status] = self.router.counter(*route.label, status)
-        count()
+        self.router.count(*ex.label, status)
 
     def release_slot(self, ex: Exchange, up: UpstreamConn | None) -> None:
         if up is not None:

@@ -50,18 +50,24 @@ def test_a_slot_takes_direct_adds_and_stays_as_the_file_grows(tmp_path: Path) ->
     assert seen is not None and (seen["old"], seen["new"], seen["name.0599"]) == (3, 6, 599)
 
 
-def test_a_router_counter_counts_as_count_does(tmp_path: Path) -> None:
+def test_a_router_count_is_in_the_live_file_at_once_and_its_slot_survives_growth(
+    tmp_path: Path,
+) -> None:
     log = logging.getLogger("test")
     r = counters.load_router(log)
-    one = r.counter("m", "m-1", 200)
-    for _ in range(3):
-        one()
     r.count("m", "m-1", 200)
-    assert r.requests == counters.load_router().requests == {("m", "m-1", 200): 4}
+    assert counters.load_router().requests == {("m", "m-1", 200): 1}  # before any save
     assert r.dirty
+    for i in range(300):  # new names grow the live file past its first page
+        r.count("m", f"m-{i:04d}", 404)
+    assert r.live is not None and r.live.path.stat().st_size > counterfile.PAGE
+    r.count("m", "m-1", 200)
+    r.count("m", "m-0299", 404)
+    seen = counters.load_router().requests
+    assert (seen[("m", "m-1", 200)], seen[("m", "m-0299", 404)], len(seen)) == (2, 2, 301)
+    assert seen == r.requests
     blocked = counters.RouterCounters()  # no live file: in memory alone
-    only = blocked.counter("m", "", 404)
-    only()
+    blocked.count("m", "", 404)
     assert blocked.requests == {("m", "", 404): 1} and blocked.dirty
 
 

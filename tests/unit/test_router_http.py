@@ -859,3 +859,27 @@ def test_each_answer_is_counted_at_once_and_saved_within_the_flush_interval(
             break
         time.sleep(0.05)
     assert saved.requests == want
+
+
+def test_a_new_tables_routes_count_into_the_same_names(
+    two: RunningRouter, alpha: FakeProvider, beta: FakeProvider
+) -> None:
+    """A reload makes new routes: their answers add to the counts of the same provider,
+    declared name and status, in the live file as each answer goes out."""
+    c = Client(two.port)
+    for model in ("a-1", "b-7"):
+        c.send(post(model))
+        assert c.response()[0] == 200
+    router = two.router
+    assert router is not None
+
+    async def reload() -> None:
+        router.table = Table([alpha.provider(names=("a-1",)), beta.provider(patterns=("b-.*",))])
+
+    asyncio.run_coroutine_threadsafe(reload(), two.loop).result(5)
+    for model in ("a-1", "b-7", "a-2"):
+        c.send(post(model))
+        c.response()
+    want = {("alpha", "a-1", 200): 2, ("beta", "", 200): 2, ("", "", 404): 1}
+    assert counters.load_router().requests == want
+
