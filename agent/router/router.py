@@ -186,11 +186,7 @@ class Router:
         self.in_flight -= 1
         if self.in_flight == 0 and self._quiet is not None:
             self._quiet.set()
-        self.busy -= 1  # _busy(-1), spelt out: once per request
-        if self.busy == 0:
-            self._idle_since = self.loop.time()
-            if self._idle_timer is None:
-                self._arm_idle()
+        self._busy(-1)
 
     def _busy(self, delta: int) -> None:
         """The idle timer moves lazily: when busy comes back to 0 it notes the time, and

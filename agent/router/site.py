@@ -186,9 +186,7 @@ class RouterSite:
         data, start = ex.data, ex.head_len
         body = dechunk(data, start, len(data)) if req.body == "chunked" else data[start:]
         model = model_of(body)
-        route = self.routes.get(model) if self.routes_of is self.router.table else None
-        if route is None:
-            route = self.route(model)
+        route = self.route(model)
         ex.label = route.label
         if self.router.keys is not None:
             key = self.key(ex)  # Refusal(401) if the gate found none
@@ -313,8 +311,7 @@ class RouterSite:
     def release_slot(self, ex: Exchange, up: UpstreamConn | None) -> None:
         if up is not None:
             if up.usable():
-                pool = self.pools.get(ex.label[0])
-                (pool if pool is not None else self.pool(ex.label[0])).keep(up, 0)
+                self.pool(ex.label[0]).keep(up, 0)
             else:
                 up.close()
 
