@@ -143,9 +143,10 @@ class Router:
         counters.save_router(self.counters, log)
 
     def _flush_due(self) -> None:
-        """Every ROUTER_FLUSH_S while accepting: no timer made or moved per request."""
-        self.flush()
+        """Every ROUTER_FLUSH_S while accepting: no timer made or moved per request. The
+        next is armed first, so that a save that raises does not end the saves."""
         self._flush_timer = self.loop.call_later(counters.ROUTER_FLUSH_S, self._flush_due)
+        self.flush()
 
     def _stop_flushing(self) -> None:
         if self._flush_timer is not None:

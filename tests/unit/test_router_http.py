@@ -883,3 +883,30 @@ def test_a_new_tables_routes_count_into_the_same_names(
     want = {("alpha", "a-1", 200): 2, ("beta", "", 200): 2, ("", "", 404): 1}
     assert counters.load_router().requests == want
 
+
+def test_a_save_that_raises_does_not_end_the_saves(
+    start: Callable[..., RunningRouter], alpha: FakeProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only OSError is a failure to save that is logged and tried again: anything else
+    raised by a save escapes it, and the next save still comes ROUTER_FLUSH_S later."""
+    monkeypatch.setattr(counters, "ROUTER_FLUSH_S", 0.1)
+    real = counters.write_atomic
+    tries: list[Path] = []
+
+    def failing_once(path: Path, text: str) -> None:
+        tries.append(path)
+        if len(tries) == 1:
+            raise ValueError("not a failure to write")
+        real(path, text)
+
+    monkeypatch.setattr(counters, "write_atomic", failing_once)
+    r = start(alpha.provider(names=("a-1",)))
+    c = Client(r.port)
+    c.send(post("a-1"))
+    assert c.response()[0] == 200
+    deadline = time.monotonic() + 5
+    while not counters.router_file().exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(tries) >= 2
+    saved = json.loads(counters.router_file().read_text())
+    assert counters.RouterCounters.from_json(saved).requests == {("alpha", "a-1", 200): 1}
