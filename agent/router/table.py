@@ -162,7 +162,8 @@ def dechunk(buf: bytes | bytearray, start: int, end: int) -> bytes:
 # What json.loads runs (the C scanner), without the Python around it.
 _SCAN: Callable[[str, int], tuple[object, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 # What the short way's scanning raises on a body json.loads refuses too: UnicodeDecodeError
-# (a ValueError), JSONDecodeError, RecursionError, StopIteration (no value after the "{").
+# (a ValueError), JSONDecodeError, RecursionError, StopIteration (a member's value missing,
+# as in `{"a":}`: the scanner's own way of saying "Expecting value").
 _NOT_JSON = (ValueError, RecursionError, StopIteration)
 
 
