@@ -299,6 +299,7 @@ def objects(draw: st.DrawFn) -> str:
 @example(b'{"Model": "a"}')
 @example(b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
 @example(b"{")
+@example(b'{"model":}')
 @example(b"{\x00")
 @example(b"{\xff}")
 @example(b'{"model": "\\ud800"}')
