@@ -27,7 +27,7 @@ from agent.net.http import (
     MAX_HEAD,
     HttpError,
     RequestHead,
-    find_head_end,
+    find_request_head_end,
     skip_empty_lines,
 )
 from agent.net.sockio import BUFFER_SIZE, BULK_SIZE, HEAD_SIZE, LINGER_S, give, take
@@ -239,6 +239,11 @@ class ClientConn(asyncio.BufferedProtocol):
         """Bytes during a request: its body first, then what comes after (held, bounded)."""
         ex = self.ex
         assert ex is not None and self.buf is not None
+        if self.start == self.end:  # the usual case: nothing after the request's bytes
+            give(self.buf)
+            self.buf = None
+            self.start = self.end = 0
+            return
         view = memoryview(self.buf)
         while self.start < self.end and ex.body_wanted():
             used = ex.body_bytes(view[self.start : self.end])
@@ -265,16 +270,20 @@ class ClientConn(asyncio.BufferedProtocol):
             if buf is None:
                 self.idle()
                 return
-            self.start = skip_empty_lines(buf, self.start, self.end)
-            if self.start == self.end:
-                self.release_buffer()
-                self.idle()
-                return
-            if self.head_due is None:
-                self.head_due = self.loop.time() + sockio.HEADER_TIMEOUT_S
-                self.deadline(self.head_due, "head")
-            head_end = find_head_end(buf, self.start, self.end)
+            start = self.start
+            if start == self.end or buf[start] == 13 or buf[start] == 10:
+                start = self.start = skip_empty_lines(buf, start, self.end)
+                if start == self.end:
+                    self.release_buffer()
+                    self.idle()
+                    return
+            head_end = find_request_head_end(buf, start, self.end)
             if head_end < 0:
+                # The head's time limit runs from its first byte: these came just now (or,
+                # pipelined, with the request before). A head that came whole needs none.
+                if self.head_due is None:
+                    self.head_due = self.loop.time() + sockio.HEADER_TIMEOUT_S
+                    self.deadline(self.head_due, "head")
                 if self.end - self.start >= MAX_HEAD:
                     status, why = head_too_large(buf, self.start, self.end)
                     self.answer(Answer(status, why), close=True)
@@ -312,8 +321,12 @@ class ClientConn(asyncio.BufferedProtocol):
             else:
                 self.buf[: len(data)] = data
             self.start, self.end = 0, len(data)
-        self.pause(PAUSE_AHEAD | PAUSE_UPSTREAM | PAUSE_WAIT | PAUSE_SPLICE, False)  # the request's
-        self.next_request()
+        if self.paused:
+            self.pause(PAUSE_AHEAD | PAUSE_UPSTREAM | PAUSE_WAIT | PAUSE_SPLICE, False)  # the request's
+        if self.buf is None:
+            self.idle()  # the usual keep-alive case: nothing came meanwhile
+        else:
+            self.next_request()
 
     # -- time limits ---------------------------------------------------------------------
 

@@ -111,7 +111,6 @@ class Exchange(Streaming):
         self.scanner: ChunkedScanner | None = None
         self.body_left = 0  # Content-Length bytes still to come
         self.bulk_body = False
-        self.data = bytearray()  # the request as received so far, until it went upstream
         self.label = ("", "")  # what a site counts the request under
         self.continued = False  # a site sent `100 Continue` for this request
         self.collects = site.collects  # the whole body is read before the target is known
@@ -133,7 +132,7 @@ class Exchange(Streaming):
             at = self.scanner.scan(buf, head_end, conn.end)  # HttpError: the caller answers
             body_end = at if at >= 0 else conn.end
             self.consumed = at >= 0
-        self.data[:] = memoryview(buf)[conn.start : body_end]
+        self.data = buf[conn.start : body_end]  # a copy: the buffer is lent per read
         self.head_len = head_end - conn.start
         conn.start = body_end
         self.keep_data = self.consumed and req.method in IDEMPOTENT
@@ -155,7 +154,23 @@ class Exchange(Streaming):
             self.arm()  # the body timeout, while the body is read
             self.site.collecting(self)
             return
-        self.begin_target()
+        # begin_target() and go(), inline: the usual request has its target and a kept
+        # connection at once.
+        try:
+            target = site.target_now(self)
+        except Exception as e:
+            self.refuse(e)
+            return
+        if target is None:
+            if not self.over:
+                self.spawn(self.wait_target())
+            return
+        self.target = target
+        up = site.kept(self, target)
+        if up is not None:
+            self.attach(up, reused=True)
+        else:
+            self.spawn(self.connect())
 
     def begin_target(self) -> None:
         try:
@@ -233,13 +248,16 @@ class Exchange(Streaming):
         up.write(self.data)
         if not self.keep_data:
             self.data = bytearray()
-        self.arm()
+        self.body_last = self.last = self.loop.time()  # arm(), inline
+        self.conn.deadline(self.due(), "request")
         if self.body_left >= splice.SPLICE_MIN:
             self.splice_request()
-        self.conn.pause(4, False)
-        if self.conn.write_paused and up.transport is not None:
+        conn = self.conn
+        if conn.paused & 4:
+            conn.pause(4, False)
+        if conn.write_paused and up.transport is not None:
             up.transport.pause_reading()
-        if self.up_shut or (self.conn.eof and self.consumed):
+        if self.up_shut or (conn.eof and self.consumed):
             self.client_eof()
 
     # -- the body, as the client sends it (ClientConn.to_exchange)
@@ -450,7 +468,9 @@ class Exchange(Streaming):
         if self.over:
             return
         self.over = True
-        self.disarm()
+        conn = self.conn
+        if conn.due_kind == "request":  # disarm(), inline: every request passes here
+            conn.deadline(None, "")
         if self.pump_in is not None or self.pump_out is not None:
             self.stop_pumps()
         if self.task is not None:
@@ -469,7 +489,6 @@ class Exchange(Streaming):
             except Exception as e:  # the connection must still end or go on
                 log.warning("Failed to release a request's lease: %s", e)
                 log.debug("Failed to release a request's lease", exc_info=e)
-        conn = self.conn
         if conn.ex is self:
             conn.tunnel = None
             if cut:

@@ -25,7 +25,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from agent.errors import ProviderdError
@@ -81,23 +81,28 @@ class RequestHead:
     keep_alive: bool  # the client lets the connection stay open after the response
     upgrade: bool  # Upgrade requested (Connection: upgrade), or CONNECT
     expect_continue: bool
+    # The target's path without the query: `/v1/x?y=1` → `/v1/x`; absolute form reduced too.
+    # Made once with the head (a remembered head serves many requests: agent.net.headcache).
+    path: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.path = target_path(self.target)
 
     @property
     def headers(self) -> list[tuple[str, str]]:
         return fields(self.block)
 
-    @property
-    def path(self) -> str:
-        """The target's path without the query: `/v1/x?y=1` → `/v1/x`; absolute form reduced too."""
-        target = self.target
-        if target[:1] != "/":
-            scheme, sep, rest = target.partition("://")
-            if not sep or not scheme.isalpha():
-                return target  # authority form (CONNECT) or "*"
-            slash = rest.find("/")
-            target = rest[slash:] if slash >= 0 else "/"
-        query = target.find("?")
-        return target if query < 0 else target[:query]
+
+def target_path(target: str) -> str:
+    """A request target's path without the query (absolute form reduced to its path)."""
+    if target[:1] != "/":
+        scheme, sep, rest = target.partition("://")
+        if not sep or not scheme.isalpha():
+            return target  # authority form (CONNECT) or "*"
+        slash = rest.find("/")
+        target = rest[slash:] if slash >= 0 else "/"
+    query = target.find("?")
+    return target if query < 0 else target[:query]
 
 
 @dataclass(slots=True)
@@ -128,6 +133,14 @@ def find_head_end(buf: bytes | bytearray, start: int, end: int) -> int:
     if i >= 0:
         best = i + 3
     return best
+
+
+def find_request_head_end(buf: bytes | bytearray, start: int, end: int) -> int:
+    """find_head_end for a request head, in one search where its blank line is CRLF CRLF:
+    an earlier blank line of bare LFs would end it sooner, but the strict parser refuses
+    a head with any bare LF in it (400) whichever end is taken."""
+    i = buf.find(b"\r\n\r\n", start, end)
+    return i + 4 if i >= 0 else find_head_end(buf, start, end)
 
 
 def skip_empty_lines(buf: bytes | bytearray, start: int, end: int) -> int:

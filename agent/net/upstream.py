@@ -63,6 +63,7 @@ class Upstream:
         self.max_waiting = max_waiting
         self.on_full = on_full  # called for each request refused because too many wait
         self.in_use = 0
+        self.idle_max = min(limit, IDLE_MAX)
         self._waiters: deque[asyncio.Future[None]] = deque()
         # (connection, worker generation, when it went idle), the most recent last
         self._idle: list[tuple[Kept, int, float]] = []
@@ -110,11 +111,12 @@ class Upstream:
 
     def take_idle(self, generation: int) -> Kept | None:
         """A kept connection to worker `generation` that is still open, or None."""
-        if not self._idle:
+        idle = self._idle
+        if not idle:
             return None
         fresh_since = time.monotonic() - KEEP_IDLE_S
-        while self._idle:
-            sock, gen, since = self._idle.pop()
+        while idle:
+            sock, gen, since = idle.pop()
             if gen == generation and since >= fresh_since and sock.usable():
                 return sock
             sock.close()
@@ -125,9 +127,11 @@ class Upstream:
         kept too long to be reused (the oldest come first) are closed."""
         now = time.monotonic()
         idle = self._idle
-        while idle and idle[0][2] < now - KEEP_IDLE_S:
-            idle.pop(0)[0].close()
-        if len(idle) < min(self.limit, IDLE_MAX):
+        if idle and idle[0][2] < now - KEEP_IDLE_S:
+            stale = now - KEEP_IDLE_S
+            while idle and idle[0][2] < stale:
+                idle.pop(0)[0].close()
+        if len(idle) < self.idle_max:
             idle.append((sock, generation, now))
         else:
             sock.close()
