@@ -15,6 +15,11 @@ proxy spends per keep-alive request (its own process, kernel included); throughp
 1,000 are held. Writes the table to bench/results/proxy.txt.
 
     python3 bench/bench_proxy.py [--quick]
+    python3 bench/bench_proxy.py --syscalls [N]   # system calls per keep-alive request
+
+`--syscalls` counts, with `strace -f -c` attached to each process, the system calls
+that N keep-alive requests (default 2000, after a warm-up) cost the proxy, the backend and
+the client, for proxyd and for ours, and prints them per request by name.
 """
 
 from __future__ import annotations
@@ -215,6 +220,133 @@ def hold_connections(address: Address, pid: int, n: int) -> float:
     return (after - before) / n
 
 
+# -- system calls per request (strace) ---------------------------------------------------
+
+
+def client_main(port: int, n: int) -> None:
+    """A client in its own process (so that strace sees only it): a connection, a warm-up,
+    then on each line of stdin `n` keep-alive requests, answered with a line on stdout."""
+    with connect(("127.0.0.1", port)) as sock:
+        for _ in range(200):
+            sock.sendall(SMALL)
+            read_n(sock, len(SMALL_RESPONSE))
+        print(os.getpid(), flush=True)
+        for _ in sys.stdin:
+            for _ in range(n):
+                sock.sendall(SMALL)
+                read_n(sock, len(SMALL_RESPONSE))
+            print("done", flush=True)
+
+
+def strace_counts(path: str) -> dict[str, int]:
+    """`strace -c` output → calls by name (errors included)."""
+    counts: dict[str, int] = {}
+    for line in Path(path).read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and parts[0][0].isdigit() and not line.startswith("100"):
+            name = parts[-1]
+            if name != "total":
+                counts[name] = int(parts[3])
+    return counts
+
+
+def count_syscalls(
+    proxy_port: int, pids: dict[str, int], n: int, tmp: Path
+) -> dict[str, dict[str, float]]:
+    """System calls per request of each of `pids` (role → pid) and of a client, over n
+    keep-alive requests through the proxy at proxy_port."""
+    client = subprocess.Popen(
+        [sys.executable, __file__, "--role", "client", "--port", str(proxy_port), "-n", str(n)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert client.stdin is not None and client.stdout is not None
+    roles = dict(pids, client=int(client.stdout.readline()))
+    tracers = {
+        role: subprocess.Popen(
+            ["strace", "-f", "-c", "-o", str(tmp / f"{role}.txt"), "-p", str(pid)],
+            stderr=subprocess.DEVNULL,
+        )
+        for role, pid in roles.items()
+    }
+    time.sleep(1.0)  # strace attaches
+    client.stdin.write("go\n")
+    client.stdin.flush()
+    client.stdout.readline()
+    for tracer in tracers.values():
+        tracer.send_signal(signal.SIGINT)
+    for tracer in tracers.values():
+        tracer.wait(timeout=10)
+    client.stdin.close()
+    client.wait(timeout=10)
+    return {
+        role: {k: v / n for k, v in strace_counts(str(tmp / f"{role}.txt")).items()}
+        for role in roles
+    }
+
+
+def syscalls(n: int) -> str:
+    import tempfile
+
+    back_sock = listener()
+    back_port = back_sock.getsockname()[1]
+    procs: list[subprocess.Popen[bytes]] = []
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    try:
+        backends = {}
+        proxies = {}
+        for name in ("proxyd", "ours"):
+            sock = listener()  # a backend per path, so that each count is its path's alone
+            backends[name] = spawn_activated(
+                [sys.executable, __file__, "--role", "backend"], sock
+            )
+            procs.append(backends[name])
+            port = sock.getsockname()[1]
+            psock = listener()
+            argv = (
+                [PROXYD, "-c", "4096", f"127.0.0.1:{port}"]
+                if name == "proxyd"
+                else [sys.executable, __file__, "--role", "ours", "--backend-port", str(port)]
+            )
+            proxies[name] = (spawn_activated(argv, psock), psock.getsockname())
+            procs.append(proxies[name][0])
+            wait_until_listening(psock.getsockname())
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in ("proxyd", "ours"):
+                proc, address = proxies[name]
+                pids = {"proxy": proc.pid, "backend": backends[name].pid}
+                out[name] = count_syscalls(address[1], pids, n, Path(tmp))
+    finally:
+        back_sock.close()
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    lines = [f"System calls per keep-alive request ({n} requests, strace -f -c):", ""]
+    row = "{:<10}{:<22}{:>8}{:>8}"
+    for role in ("proxy", "backend", "client"):
+        lines.append(row.format(role, "", "proxyd", "ours"))
+        names = sorted(
+            set(out["proxyd"][role]) | set(out["ours"][role]),
+            key=lambda k: -max(out["proxyd"][role].get(k, 0), out["ours"][role].get(k, 0)),
+        )
+        total = {k: 0.0 for k in out}
+        for k in names:
+            a, b = out["proxyd"][role].get(k, 0.0), out["ours"][role].get(k, 0.0)
+            total["proxyd"] += a
+            total["ours"] += b
+            if max(a, b) >= 0.005:
+                lines.append(row.format("", k, f"{a:.2f}", f"{b:.2f}"))
+        lines.append(row.format("", "all", f"{total['proxyd']:.2f}", f"{total['ours']:.2f}"))
+        lines.append("")
+    return "\n".join(lines)
+
+
 # -- the run ------------------------------------------------------------------------------
 
 
@@ -371,13 +503,19 @@ def table(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
-    parser.add_argument("--role", choices=("backend", "ours"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--syscalls", type=int, nargs="?", const=2000, metavar="N", help="count system calls"
+    )
+    parser.add_argument("--role", choices=("backend", "ours", "client"), help=argparse.SUPPRESS)
     parser.add_argument("--backend-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("-n", type=int, default=2000, help=argparse.SUPPRESS)
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "proxy.txt"))
     args = parser.parse_args(argv)
     roles: dict[str, Callable[[], None]] = {
         "backend": backend_main,
         "ours": lambda: always_ready_front(args.backend_port),
+        "client": lambda: client_main(args.port, args.n),
     }
     if args.role:
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -386,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     if not os.access(PROXYD, os.X_OK):
         print(f"bench_proxy: {PROXYD} not found (Debian package systemd)", file=sys.stderr)
         return 1
+    if args.syscalls:
+        print(syscalls(args.syscalls))
+        return 0
     text = run(args.quick)
     print(text, end="")
     if not args.quick:
