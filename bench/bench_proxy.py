@@ -298,9 +298,7 @@ def syscalls(n: int) -> str:
         proxies = {}
         for name in ("proxyd", "ours"):
             sock = listener()  # a backend per path, so that each count is its path's alone
-            backends[name] = spawn_activated(
-                [sys.executable, __file__, "--role", "backend"], sock
-            )
+            backends[name] = spawn_activated([sys.executable, __file__, "--role", "backend"], sock)
             procs.append(backends[name])
             port = sock.getsockname()[1]
             psock = listener()

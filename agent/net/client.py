@@ -321,8 +321,8 @@ class ClientConn(asyncio.BufferedProtocol):
             else:
                 self.buf[: len(data)] = data
             self.start, self.end = 0, len(data)
-        if self.paused:
-            self.pause(PAUSE_AHEAD | PAUSE_UPSTREAM | PAUSE_WAIT | PAUSE_SPLICE, False)  # the request's
+        if self.paused:  # the request's pauses end with it
+            self.pause(PAUSE_AHEAD | PAUSE_UPSTREAM | PAUSE_WAIT | PAUSE_SPLICE, False)
         if self.buf is None:
             self.idle()  # the usual keep-alive case: nothing came meanwhile
         else:
