@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from common import (
     ROOT,
@@ -60,6 +61,7 @@ BIG_HEAD = (
 )
 CHUNK = 1024 * 1024
 HELD = 1000
+PATHS = ("direct", "proxyd", "ours")  # the table's columns
 
 # -- the backend: epoll for small requests, a thread per connection for big bodies ----------
 
@@ -101,6 +103,68 @@ def serve_big(conn: socket.socket, pending: bytes) -> None:
                 conn.sendall(SMALL_RESPONSE)
             else:
                 conn.sendall(SMALL_RESPONSE)
+
+
+# -- the floor: a relay on the same loop that parses nothing -------------------------------
+
+
+def bare_main(backend_port: int) -> None:
+    """A relay on uvloop (the loop the front runs on) with asyncio buffered protocols, as the
+    core's, that parses nothing: each client connection gets its own connection to the
+    backend, and what one side sends is written to the other. What a Python relay costs
+    before any HTTP."""
+    import asyncio
+
+    sys.path.insert(0, str(ROOT))
+    from agent.net import loop
+
+    class Side(asyncio.BufferedProtocol):
+        def __init__(self) -> None:
+            self.buf = bytearray(65536)
+            self.peer: asyncio.Transport | None = None
+            self.held: list[bytes] = []
+            self.transport: asyncio.Transport | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = cast(asyncio.Transport, transport)  # uvloop's: no subclass
+
+        def get_buffer(self, sizehint: int) -> memoryview:
+            return memoryview(self.buf)
+
+        def buffer_updated(self, nbytes: int) -> None:
+            data = bytes(self.buf[:nbytes])
+            if self.peer is None:
+                self.held.append(data)
+            else:
+                self.peer.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.peer is not None:
+                self.peer.close()
+
+    class Client(Side):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            asyncio.get_running_loop().create_task(self.connect())
+
+        async def connect(self) -> None:
+            up = Side()
+            up.peer = self.transport
+            transport, _ = await asyncio.get_running_loop().create_connection(
+                lambda: up, "127.0.0.1", backend_port
+            )
+            self.peer = transport
+            for data in self.held:
+                transport.write(data)
+            self.held.clear()
+
+    async def main() -> None:
+        sock = socket.socket(fileno=3)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().create_server(Client, sock=sock)
+        await asyncio.Event().wait()
+
+    loop.run(main())
 
 
 # -- processes --------------------------------------------------------------------------
@@ -289,8 +353,6 @@ def count_syscalls(
 def syscalls(n: int) -> str:
     import tempfile
 
-    back_sock = listener()
-    back_port = back_sock.getsockname()[1]
     procs: list[subprocess.Popen[bytes]] = []
     out: dict[str, dict[str, dict[str, float]]] = {}
     try:
@@ -316,7 +378,6 @@ def syscalls(n: int) -> str:
                 pids = {"proxy": proc.pid, "backend": backends[name].pid}
                 out[name] = count_syscalls(address[1], pids, n, Path(tmp))
     finally:
-        back_sock.close()
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
         for proc in procs:
@@ -373,7 +434,16 @@ def run(quick: bool) -> str:
             "ours": ours_sock.getsockname(),
         }
         pids = {"proxyd": procs[1].pid, "ours": procs[2].pid}
-        for address in paths.values():
+        bare_sock = listener()
+        procs.append(
+            spawn_activated(
+                [sys.executable, __file__, "--role", "bare", "--backend-port", str(back_port)],
+                bare_sock,
+            )
+        )
+        bare: Address = bare_sock.getsockname()
+        bare_pid = procs[-1].pid
+        for address in [*paths.values(), bare]:
             wait_until_listening(address)
 
         # One value per round and path; the table shows each one's best round.
@@ -383,7 +453,7 @@ def run(quick: bool) -> str:
         def note(metric: str, name: str, value: float) -> None:
             per_round.setdefault(metric, {}).setdefault(name, []).append(value)
 
-        for address in paths.values():
+        for address in [*paths.values(), bare]:
             keep_alive_us(address, 300)  # warm up
             new_connection_us(address, 50)
         for _ in range(rounds):
@@ -396,6 +466,12 @@ def run(quick: bool) -> str:
                 for p in (50, 99):
                     note(f"keep p{p}", name, pct(keep, p))
                     note(f"new p{p}", name, pct(new, p))
+            before = cpu_s(bare_pid)  # the floor, keep-alive only
+            keep = keep_alive_us(bare, n_keep)
+            note("cpu", "bare", (cpu_s(bare_pid) - before) / n_keep * 1e6)
+            for p in (50, 99):
+                note(f"keep p{p}", "bare", pct(keep, p))
+        bare_sock.close()
         for _ in range(reps):
             for name, address in paths.items():
                 note("down", name, download_mbs(address))
@@ -420,7 +496,9 @@ def run(quick: bool) -> str:
     }
     for metric in ("keep p50", "keep p99", "new p50", "new p99"):  # over direct's best
         best[f"{metric} added"] = {
-            name: best[metric][name] - best[metric]["direct"] for name in pids
+            name: best[metric][name] - best[metric]["direct"]
+            for name in (*pids, "bare")
+            if name in best[metric]
         }
     return table(best, memory, rounds, n_keep, n_new, reps)
 
@@ -469,7 +547,9 @@ def table(
     for label, metric, n in (("keep-alive", "keep", n_keep), ("new connection", "new", n_new)):
         for p in (50, 99):
             v = med[f"{metric} p{p}"]
-            add(row.format(f"{label} p{p} (µs, {n}/round)", *(f"{v[k]:.0f}" for k in v), "", ""))
+            add(
+                row.format(f"{label} p{p} (µs, {n}/round)", *(f"{v[k]:.0f}" for k in PATHS), "", "")
+            )
             cells, r, mark = ratio(f"{metric} p{p} added", "1.3")
             add(row.format(f"  added p{p} (µs)", *cells, r, mark))
         if metric == "keep":
@@ -490,6 +570,17 @@ def table(
             "≤2048" + ok,
         )
     )
+    floor = {m: med[m]["bare"] for m in ("keep p50 added", "keep p99 added", "cpu")}
+    add("")
+    add(
+        f"The floor, a relay on uvloop's buffered protocols that parses nothing (bare): adds "
+        f"{floor['keep p50 added']:.0f} µs at p50"
+    )
+    add(
+        f"({floor['keep p50 added'] / med['keep p50 added']['proxyd']:.2f}x proxyd's), "
+        f"{floor['keep p99 added']:.0f} µs at p99, CPU {floor['cpu']:.1f} µs per request "
+        f"({floor['cpu'] / med['cpu']['proxyd']:.2f}x proxyd's)."
+    )
     add("")
     add("Targets (ours/proxyd): added keep-alive latency p50, p99 and a new connection ≤ 1.3x;")
     add("CPU per request ≤ 1.5x; throughput ≥ 1.0x both ways; ≤ 2 KiB per idle connection.")
@@ -504,7 +595,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--syscalls", type=int, nargs="?", const=2000, metavar="N", help="count system calls"
     )
-    parser.add_argument("--role", choices=("backend", "ours", "client"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--role", choices=("backend", "ours", "bare", "client"), help=argparse.SUPPRESS
+    )
     parser.add_argument("--backend-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("-n", type=int, default=2000, help=argparse.SUPPRESS)
@@ -513,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     roles: dict[str, Callable[[], None]] = {
         "backend": backend_main,
         "ours": lambda: always_ready_front(args.backend_port),
+        "bare": lambda: bare_main(args.backend_port),
         "client": lambda: client_main(args.port, args.n),
     }
     if args.role:
