@@ -70,6 +70,7 @@ class Exchange(Streaming):
         "last",
         "lease",
         "loop",
+        "no_splice",
         "over",
         "pump_in",
         "pump_out",
