@@ -12,6 +12,7 @@ from agent.net.http import (
     HttpError,
     error_response,
     find_head_end,
+    find_request_head_end,
     parse_request_head,
     parse_response_head,
     skip_empty_lines,
@@ -107,6 +108,57 @@ def test_malformed_requests(head: bytes, status: int) -> None:
     with pytest.raises(HttpError) as info:
         parse_request_head(head)
     assert info.value.status == status
+
+
+def test_a_request_head_end_is_its_first_crlf_blank_line_else_any_blank_line() -> None:
+    data = b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET /2 HTTP/1.1\r\n\r\n"
+    assert find_request_head_end(data, 0, len(data)) == data.index(b"GET /2")
+    assert find_request_head_end(data, 2, 20) == -1
+    lf = b"GET / HTTP/1.1\nHost: x\n\nBODY"
+    assert find_request_head_end(lf, 0, len(lf)) == find_head_end(lf, 0, len(lf))
+    # An earlier bare-LF blank line: the head is taken to its CRLF one, and still refused.
+    early = b"GET / HTTP/1.1\nHost: x\n\nGET /2 HTTP/1.1\r\nHost: x\r\n\r\n"
+    end = find_request_head_end(early, 0, len(early))
+    assert end == len(early) and find_head_end(early, 0, len(early)) < end
+    for head_end in (end, find_head_end(early, 0, len(early))):
+        with pytest.raises(HttpError) as info:
+            parse_request_head(early, 0, head_end)
+        assert info.value.status == 400
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["Content-Length", "content-length", "CONTENT-LENGTH", "cOnTeNt-LeNgTh"],
+)
+def test_framing_fields_are_found_in_any_case_with_their_values_trimmed(name: str) -> None:
+    head = f"POST / HTTP/1.1\r\nhOsT: t\r\n{name}: \t 7 \t\r\nCONNECTION: Close\r\n\r\n"
+    req = parse_request_head(head.encode())
+    assert (req.body, req.length, req.keep_alive) == ("length", 7, False)
+    with pytest.raises(HttpError) as info:  # a second Host in another case still counts
+        parse_request_head(head.replace("hOsT: t", "Host: t\r\nHOST: u").encode())
+    assert info.value.status == 400
+
+
+def test_an_underscored_framing_field_is_named_as_sent() -> None:
+    with pytest.raises(HttpError) as info:
+        parse_request_head(b"POST / HTTP/1.1\r\nHost: t\r\nTransfer_ENCODING: chunked\r\n\r\n")
+    assert "'Transfer_ENCODING'" in info.value.reason
+
+
+def test_an_invalid_content_length_is_quoted_as_sent() -> None:
+    with pytest.raises(HttpError) as info:
+        parse_request_head(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 5X\r\n\r\n")
+    assert info.value.reason == "invalid Content-Length '5X'"
+
+
+def test_the_field_count_limit_holds_for_the_shortest_fields() -> None:
+    """Heads too short to hold more than MAX_HEADERS fields are not counted; at the edge,
+    bare-LF fields of three bytes (a response's) still are."""
+    fields = b"a:\n" * MAX_HEADERS
+    assert parse_response_head(b"HTTP/1.1 204 No\n" + fields + b"\n", "GET").status == 204
+    with pytest.raises(HttpError) as info:
+        parse_response_head(b"HTTP/1.1 204 No\n" + fields + b"a:\n\n", "GET")
+    assert info.value.status == 431
 
 
 def test_too_many_header_fields() -> None:

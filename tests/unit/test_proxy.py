@@ -1311,6 +1311,61 @@ def test_a_head_not_complete_within_the_header_timeout_gets_408(
     run(test)
 
 
+def test_a_later_head_that_comes_in_parts_is_timed_from_its_first_byte(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A head that arrives whole arms no header timer; one that arrives in parts on a kept
+    connection does: completed within the limit it is served, left incomplete it gets 408."""
+    monkeypatch.setattr(sockio, "HEADER_TIMEOUT_S", 0.4)
+
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+            client = await px.connect()
+            for _ in range(3):  # whole heads, spaced past the header timeout in all
+                await client.send(b"GET /a HTTP/1.1\r\nHost: t\r\n\r\n")
+                assert (await client.response())[0] == 200
+                await asyncio.sleep(0.2)
+            await client.send(b"GET /b HTT")
+            await asyncio.sleep(0.2)
+            await client.send(b"P/1.1\r\nHost: t\r\n\r\n")
+            assert (await client.response())[2] == b"GET /b "
+            await asyncio.sleep(0.3)  # idle, with no head begun: no 408
+            await client.send(b"GET /c")  # and nothing more
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            status, headers, _ = await client.response()
+            assert status == 408 and headers["connection"] == "close"
+            assert 0.3 <= loop.time() - began < 2.0
+            assert await client.eof()
+            client.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
+
+
+def test_a_bare_lf_head_before_a_crlf_one_is_refused_and_nothing_reaches_the_worker() -> None:
+    """A client's blank line of bare LFs ahead of a CRLF one: wherever the head is taken to
+    end, the front answers 400 and closes, so the worker never reads a second request."""
+
+    async def test() -> None:
+        async with Setup(echo_worker) as (worker, backend, px):
+            for head in (
+                b"GET /a HTTP/1.1\nHost: t\n\nGET /b HTTP/1.1\r\nHost: t\r\n\r\n",
+                b"GET /a HTTP/1.1\r\nHost: t\n\r\nGET /b HTTP/1.1\r\nHost: t\r\n\r\n",
+            ):
+                client = await px.connect()
+                await client.send(head)
+                status, headers, _ = await client.response()
+                assert status == 400 and headers["connection"] == "close"
+                assert await client.eof()
+                client.close()
+            await px.settle()
+            assert worker.connections == 0 and backend.leases == []
+
+    run(test)
+
+
 def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
