@@ -316,6 +316,14 @@ class Exchange(Streaming):
         self.resp = resp
         self.started = True
 
+    def on_whole(self, resp: ResponseHead, data: memoryview, reusable: bool) -> None:
+        """A final response that came whole (head and body): on_final, on_data and on_end."""
+        self.site.final_head(self, resp)  # may raise HttpError: answered as the site says
+        self.resp = resp
+        self.started = True
+        self.conn.write(data)
+        self.on_end(reusable)
+
     def on_data(self, data: memoryview) -> None:
         self.last = self.loop.time()
         self.conn.write(data)

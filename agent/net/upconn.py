@@ -34,6 +34,7 @@ class Exchange(Protocol):
 
     def on_interim(self, resp: ResponseHead, head: memoryview) -> None: ...
     def on_final(self, resp: ResponseHead) -> None: ...
+    def on_whole(self, resp: ResponseHead, data: memoryview, reusable: bool) -> None: ...
     def on_data(self, data: memoryview) -> None: ...
     def on_end(self, reusable: bool) -> None: ...
     def on_tunnel(self, up: UpstreamConn) -> None: ...
@@ -199,9 +200,19 @@ class UpstreamConn(asyncio.BufferedProtocol):
                         raise HttpError(502, too_big)
                     return
                 resp = response_head(buf, self.method, s, head_end)
-                if resp.status < 200 and resp.body != "tunnel":
+                body = resp.body
+                if resp.status < 200 and body != "tunnel":
                     self.s = head_end
                     ex.on_interim(resp, view[s:head_end])
+                    continue
+                if body == "none" or (body == "length" and e - head_end >= resp.length):
+                    # The usual small response: head and body in this read, relayed in one
+                    # write, and over (as end() below, in one call to the exchange).
+                    self.s = at = head_end + resp.length
+                    self.left = 0
+                    self.phase = IDLE
+                    self.clean = at == e and not self.eof and not self.dead
+                    ex.on_whole(resp, view[s:at], self.clean)
                     continue
                 ex.on_final(resp)
                 self.body, self.left = resp.body, resp.length

@@ -340,6 +340,33 @@ def test_keep_alive_reuses_one_worker_connection_and_leases_each_request() -> No
     run(test)
 
 
+def test_a_worker_connection_with_bytes_after_a_whole_response_is_not_kept() -> None:
+    """A response that came whole in one read, with bytes after it that no request asked
+    for: the client gets the response alone, and that worker connection serves no other."""
+
+    async def trailing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(ok(b"first") + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstray")
+        await writer.drain()
+        while True:
+            await read_request(reader)
+            writer.write(ok(b"again"))
+            await writer.drain()
+
+    async def test() -> None:
+        async with Setup(trailing) as (worker, _backend, px):
+            client = await px.connect()
+            await client.send(b"GET /a HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert await client.response() == (200, {"content-length": "5"}, b"first")
+            await client.send(b"GET /b HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert (await client.response())[2] == b"first"  # a new worker connection's
+            assert worker.connections == 2
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
 async def head_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """Answers every request with its head as received, and its body."""
     while True:
