@@ -287,16 +287,17 @@ def hold_connections(address: Address, pid: int, n: int) -> float:
 # -- system calls per request (strace) ---------------------------------------------------
 
 
-def client_main(port: int, n: int) -> None:
+def client_main(port: int) -> None:
     """A client in its own process (so that strace sees only it): a connection, a warm-up,
-    then on each line of stdin `n` keep-alive requests, answered with a line on stdout."""
+    then for each line of stdin (a number) that many keep-alive requests, answered with a
+    line on stdout."""
     with connect(("127.0.0.1", port)) as sock:
         for _ in range(200):
             sock.sendall(SMALL)
             read_n(sock, len(SMALL_RESPONSE))
         print(os.getpid(), flush=True)
-        for _ in sys.stdin:
-            for _ in range(n):
+        for line in sys.stdin:
+            for _ in range(int(line)):
                 sock.sendall(SMALL)
                 read_n(sock, len(SMALL_RESPONSE))
             print("done", flush=True)
@@ -320,7 +321,7 @@ def count_syscalls(
     """System calls per request of each of `pids` (role → pid) and of a client, over n
     keep-alive requests through the proxy at proxy_port."""
     client = subprocess.Popen(
-        [sys.executable, __file__, "--role", "client", "--port", str(proxy_port), "-n", str(n)],
+        [sys.executable, __file__, "--role", "client", "--port", str(proxy_port)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -335,19 +336,38 @@ def count_syscalls(
         for role, pid in roles.items()
     }
     time.sleep(1.0)  # strace attaches
-    client.stdin.write("go\n")
+    client.stdin.write(f"{n}\n")
     client.stdin.flush()
     client.stdout.readline()
     for tracer in tracers.values():
         tracer.send_signal(signal.SIGINT)
     for tracer in tracers.values():
         tracer.wait(timeout=10)
-    client.stdin.close()
-    client.wait(timeout=10)
-    return {
+    counts = {
         role: {k: v / n for k, v in strace_counts(str(tmp / f"{role}.txt")).items()}
         for role in roles
     }
+    # Then untraced, many more: the proxy's CPU per request in user space and in the kernel.
+    many = 20 * n
+    before = user_system_s(pids["proxy"])
+    client.stdin.write(f"{many}\n")
+    client.stdin.flush()
+    client.stdout.readline()
+    after = user_system_s(pids["proxy"])
+    counts["cpu"] = {
+        "user": (after[0] - before[0]) / many * 1e6,
+        "system": (after[1] - before[1]) / many * 1e6,
+    }
+    client.stdin.close()
+    client.wait(timeout=10)
+    return counts
+
+
+def user_system_s(pid: int) -> tuple[float, float]:
+    """CPU time a process has used so far in user space and in the kernel (clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def syscalls(n: int) -> str:
@@ -403,6 +423,11 @@ def syscalls(n: int) -> str:
                 lines.append(row.format("", k, f"{a:.2f}", f"{b:.2f}"))
         lines.append(row.format("", "all", f"{total['proxyd']:.2f}", f"{total['ours']:.2f}"))
         lines.append("")
+    lines.append(f"The proxy's CPU per request, untraced ({20 * n} requests, /proc/PID/stat):")
+    lines.append(row.format("", "", "proxyd", "ours"))
+    for part in ("user", "system"):
+        cells = (f"{out[name]['cpu'][part]:.1f}" for name in ("proxyd", "ours"))
+        lines.append(row.format("", f"{part} (µs)", *cells))
     return "\n".join(lines)
 
 
@@ -600,14 +625,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--backend-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("-n", type=int, default=2000, help=argparse.SUPPRESS)
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "proxy.txt"))
     args = parser.parse_args(argv)
     roles: dict[str, Callable[[], None]] = {
         "backend": backend_main,
         "ours": lambda: always_ready_front(args.backend_port),
         "bare": lambda: bare_main(args.backend_port),
-        "client": lambda: client_main(args.port, args.n),
+        "client": lambda: client_main(args.port),
     }
     if args.role:
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
