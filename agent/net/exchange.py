@@ -245,8 +245,7 @@ class Exchange(Streaming):
     def attach(self, up: UpstreamConn, reused: bool) -> None:
         self.up, self.reused = up, reused
         self.attempt += 1
-        up.begin(self, self.req.method)
-        up.write(self.data)
+        up.begin(self, self.req.method, self.data)
         if not self.keep_data:
             self.data = bytearray()
         self.body_last = self.last = self.loop.time()  # arm(), inline

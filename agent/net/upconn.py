@@ -116,12 +116,15 @@ class UpstreamConn(asyncio.BufferedProtocol):
         if transport is not None and not transport.is_closing() and transport.can_write_eof():
             transport.write_eof()  # a closed uvloop transport raises
 
-    def begin(self, ex: Exchange, method: str) -> None:
+    def begin(self, ex: Exchange, method: str, data: bytes | bytearray) -> None:
+        """Serve exchange `ex`: its request (`data`, as received so far) goes out now."""
         self.ex = ex
         self.method = method
         self.phase = HEAD
         self.clean = False
         self.bulk = False
+        if self.transport is not None and not self.dead:
+            self.transport.write(data if type(data) is bytes else bytes(data))  # as write()
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Send `data`, copied first unless it is bytes (as ClientConn.write)."""
@@ -155,6 +158,7 @@ class UpstreamConn(asyncio.BufferedProtocol):
         if buf is None:
             buf = self.buf = take(BULK_SIZE if self.bulk else BUFFER_SIZE)
             self.s = self.e = 0
+            return memoryview(buf)  # the usual read: into a fresh buffer, whole
         elif self.e == len(buf):
             pending = self.e - self.s
             buf[:pending] = buf[self.s : self.e]
