@@ -113,3 +113,25 @@ def test_kept_connections_too_old_to_be_reused_are_closed_when_another_is_kept(
     pool.keep(newest, 1)
     assert all(conn.closed for conn in burst) and not newest.closed
     assert pool.take_idle(1) is newest and pool.take_idle(1) is None
+
+
+def test_no_more_connections_are_kept_than_the_limit() -> None:
+    """The worker never has more idle connections from the front than `limit`: one kept
+    beyond it is closed at once."""
+
+    class Conn:
+        closed = False
+
+        def usable(self) -> bool:
+            return not self.closed
+
+        def close(self) -> None:
+            self.closed = True
+
+    pool = Upstream(limit=2, max_waiting=8)
+    conns = [Conn() for _ in range(3)]
+    for conn in conns:
+        pool.keep(conn, 1)
+    assert [conn.closed for conn in conns] == [False, False, True]
+    assert pool.take_idle(1) is conns[1] and pool.take_idle(1) is conns[0]
+    assert pool.take_idle(1) is None
