@@ -55,6 +55,10 @@ from agent.worker.control import StartFailed, WorkerControl
 # A new connection counts as in flight until its first request arrives, at most this long,
 # so an idle exit never closes a connection whose request is on its way.
 FIRST_REQUEST_GRACE_S = 5.0
+# The "Serving: N in flight, M served" line changes with every request: systemd is told it
+# at most this often (each STATUS= is a datagram that wakes PID 1), the latest text last.
+STATUS_EVERY_S = 1.0
+_CLOCK_STEP_S = 0.001  # uvloop's clock counts whole milliseconds: a timer may fire one early
 
 Notify = Callable[[str], object]
 
@@ -233,6 +237,10 @@ class Front:
         else:
             self.listening = Listeners(listeners, self._tcp_connection, self.log)
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_at = 0.0  # loop time the idle timer is due (it is moved lazily)
+        self._status_sent = ""  # the status line systemd was told last
+        self._status_stale = False  # it may have changed since: sent when the timer is due
+        self._status_timer: asyncio.TimerHandle | None = None
         self._backoff_timer: asyncio.TimerHandle | None = None
         self._connections: set[asyncio.Task[None]] = set()  # TCP relays
         self._background: set[asyncio.Task[None]] = set()
@@ -289,10 +297,8 @@ class Front:
         self.in_flight += 1
         self._drained.clear()
         self._idle_due = False
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
-        self._update_status()
+        # The idle timer stays armed: firing while a lease is held, it does nothing.
+        self._update_status(at_once=False)
 
     def _lease_end(self) -> None:
         self.in_flight -= 1
@@ -303,17 +309,30 @@ class Front:
         if self.in_flight == 0:
             self._drained.set()
             self._arm_idle()
-        self._update_status()
+        self._update_status(at_once=False)
 
     def _arm_idle(self) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        """The idle deadline, idle_timeout_s from now. The timer is moved lazily: one that is
+        due sooner stays and waits again when it fires (requests ending back to back re-arm
+        it about once per idle_timeout_s, not once each)."""
         if self.provider.pinned:
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
             return  # held until stopped: never released on idle
-        self._idle_timer = asyncio.get_running_loop().call_later(
-            self.provider.idle_timeout_s, self._idle
-        )
+        loop = asyncio.get_running_loop()
+        self._idle_at = loop.time() + self.provider.idle_timeout_s
+        if self._idle_timer is None:
+            self._idle_timer = loop.call_at(self._idle_at, self._idle_fired)
+
+    def _idle_fired(self) -> None:
+        """The idle timer: the deadline, unless it moved later meanwhile (it waits again)."""
+        self._idle_timer = None
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._idle_at - _CLOCK_STEP_S:
+            self._idle_timer = loop.call_at(self._idle_at, self._idle_fired)
+            return
+        self._idle()
 
     def _fresh(self, delta: int) -> None:
         """A new connection began (+1) or ended (-1) its first-request grace."""
@@ -323,7 +342,9 @@ class Front:
 
     def _idle(self) -> None:
         """The idle deadline: the table decides what idle means in this state and mode."""
-        self._idle_timer = None
+        if self._idle_timer is not None:  # decided now: a timer still due has no more to do
+            self._idle_timer.cancel()
+            self._idle_timer = None
         if self.in_flight or self.waiters:
             return
         if self.fresh:
@@ -757,7 +778,33 @@ class Front:
             counters=self.counters.to_json(),
         ).to_json()
 
-    def _update_status(self) -> None:
+    def _update_status(self, at_once: bool = True) -> None:
+        """Tell systemd the status line: a state's change at once; a request's (`at_once`
+        False) at most every STATUS_EVERY_S, the latest line last."""
+        if self._status_timer is not None and not at_once:
+            self._status_stale = True  # the line is made and sent when the timer is due
+            return
+        self._send_status()
+        if not at_once:
+            loop = asyncio.get_running_loop()
+            self._status_timer = loop.call_later(STATUS_EVERY_S, self._status_due)
+
+    def _status_due(self) -> None:
+        self._status_timer = None
+        if self._status_stale:
+            self._status_stale = False
+            self._send_status()
+            self._status_timer = asyncio.get_running_loop().call_later(
+                STATUS_EVERY_S, self._status_due
+            )
+
+    def _send_status(self) -> None:
+        text = self._status_line()
+        if text != self._status_sent:
+            self._status_sent = text
+            self.notify(f"STATUS={text}")
+
+    def _status_line(self) -> str:
         if self.state == State.READY:
             text = f"Serving: {self.in_flight} in flight, {self.served} served"
         elif self.state == State.STARTING:
@@ -768,7 +815,7 @@ class Front:
             text = "Releasing the worker"
         else:
             text = "Idle, worker not running"
-        self.notify(f"STATUS={text}")
+        return text
 
 
 def _describe_failure(e: BaseException, timeout_s: float) -> tuple[str, list[str]]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.front import front as front_module
 from agent.front.front import Front
 from agent.front.state import State
 from agent.spec.provider import Address, Provider
@@ -274,3 +275,61 @@ def test_the_preload_is_recorded_once_per_boot(
     assert record is not None and record["result"] == "ready"
     assert set(record) == {"at", "took_s", "result"}
     assert preload.activation_cause(p) == "activation"  # later fronts this boot: activations
+
+
+def test_requests_back_to_back_tell_systemd_the_status_at_most_every_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each STATUS= is a datagram that wakes PID 1: a request's change of the "Serving"
+    line is sent at once after a quiet spell, then at most every STATUS_EVERY_S, and the
+    latest line always arrives."""
+    monkeypatch.setattr(front_module, "STATUS_EVERY_S", 0.3)
+    sent: list[str] = []
+
+    async def go() -> None:
+        sock = listener()
+        worker = InProcessWorker()
+        front = Front(provider(), worker, [sock], exit_on_idle=False, notify=sent.append)
+        front.start_accepting()
+        front.warm()
+        while front.state != State.READY:
+            await asyncio.sleep(0.01)
+        loop = asyncio.get_running_loop()
+        before, began = len(sent), loop.time()
+        for _ in range(20):  # 40 changes of the line: a lease begins and ends
+            assert (await get(sock.getsockname()[1])).startswith(b"HTTP/1.1 200")
+        took = loop.time() - began
+        await asyncio.sleep(0.5)
+        assert sent[-1] == "STATUS=Serving: 0 in flight, 20 served"
+        assert sent[before] == "STATUS=Serving: 1 in flight, 0 served"  # at once
+        assert len(sent) - before <= 2 + took / 0.3
+        await shutdown(front, worker)
+
+    asyncio.run(go())
+
+
+def test_a_provider_used_more_often_than_its_idle_timeout_is_released_only_after_the_last() -> None:
+    """The idle timer is moved lazily: requests ending back to back do not re-arm it, yet the
+    release comes idle_timeout_s after the last lease, never sooner."""
+
+    async def go() -> float:
+        sock = listener()
+        worker = InProcessWorker()
+        front = Front(provider(idle_timeout_s=0.3), worker, [sock], exit_on_idle=True)
+        front.start_accepting()
+        front.warm()
+        while front.state != State.READY:
+            await asyncio.sleep(0.01)
+        loop = asyncio.get_running_loop()
+        for _ in range(8):  # 0.8 s in all, never 0.3 s without a request
+            assert (await get(sock.getsockname()[1])).startswith(b"HTTP/1.1 200")
+            assert worker.stops == 0
+            await asyncio.sleep(0.1)
+        last = loop.time() - 0.1
+        await asyncio.wait_for(front.done.wait(), 5)
+        took = loop.time() - last
+        await shutdown(front, worker)
+        return took
+
+    took = asyncio.run(go())
+    assert 0.29 <= took < 2.0, took
