@@ -149,7 +149,6 @@ class ClientConn(asyncio.BufferedProtocol):
             size = BULK_SIZE if self.ex is not None and self.ex.bulk_body else HEAD_SIZE
             buf = self.buf = take(size)
             self.start = self.end = 0
-            return memoryview(buf)  # the usual read: into a fresh buffer, whole
         elif self.end == len(buf):
             pending = self.end - self.start
             if self.start:

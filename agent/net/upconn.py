@@ -158,7 +158,6 @@ class UpstreamConn(asyncio.BufferedProtocol):
         if buf is None:
             buf = self.buf = take(BULK_SIZE if self.bulk else BUFFER_SIZE)
             self.s = self.e = 0
-            return memoryview(buf)  # the usual read: into a fresh buffer, whole
         elif self.e == len(buf):
             pending = self.e - self.s
             buf[:pending] = buf[self.s : self.e]
