@@ -155,23 +155,7 @@ class Exchange(Streaming):
             self.arm()  # the body timeout, while the body is read
             self.site.collecting(self)
             return
-        # begin_target() and go(), inline: the usual request has its target and a kept
-        # connection at once.
-        try:
-            target = site.target_now(self)
-        except Exception as e:
-            self.refuse(e)
-            return
-        if target is None:
-            if not self.over:
-                self.spawn(self.wait_target())
-            return
-        self.target = target
-        up = site.kept(self, target)
-        if up is not None:
-            self.attach(up, reused=True)
-        else:
-            self.spawn(self.connect())
+        self.begin_target()
 
     def begin_target(self) -> None:
         try:
@@ -316,10 +300,8 @@ class Exchange(Streaming):
         self.started = True
 
     def on_whole(self, resp: ResponseHead, data: memoryview, reusable: bool) -> None:
-        """A final response that came whole (head and body): on_final, on_data and on_end."""
-        self.site.final_head(self, resp)  # may raise HttpError: answered as the site says
-        self.resp = resp
-        self.started = True
+        """A final response that came whole (head and body), in one write."""
+        self.on_final(resp)
         self.conn.write(data)
         self.on_end(reusable)
 

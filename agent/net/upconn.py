@@ -123,8 +123,7 @@ class UpstreamConn(asyncio.BufferedProtocol):
         self.phase = HEAD
         self.clean = False
         self.bulk = False
-        if self.transport is not None and not self.dead:
-            self.transport.write(data if type(data) is bytes else bytes(data))  # as write()
+        self.write(data)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Send `data`, copied first unless it is bytes (as ClientConn.write)."""
@@ -225,21 +224,14 @@ class UpstreamConn(asyncio.BufferedProtocol):
                     ex.on_data(view[s:e])
                     ex.on_tunnel(self)
                     return
-                if resp.body == "none":
-                    self.s = head_end
-                    ex.on_data(view[s:head_end])
-                    self.end(ex)
-                    continue
                 self.phase = BODY
                 # The head goes with whatever of the body came with it: one write, not two.
                 if resp.body == "length":
                     k = min(e - head_end, self.left)
                     self.left -= k
                     self.s = head_end + k
-                    ex.on_data(view[s : self.s])
-                    if self.left == 0:
-                        self.end(ex)
-                    elif self.left >= splice.SPLICE_MIN and ex.splice_response(self):
+                    ex.on_data(view[s : self.s])  # not all of it: else on_whole above
+                    if self.left >= splice.SPLICE_MIN and ex.splice_response(self):
                         return
                     continue
                 self.scanner = ChunkedScanner() if resp.body == "chunked" else None
