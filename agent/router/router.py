@@ -374,7 +374,7 @@ def main(argv: list[str]) -> int:
     if argv:
         print("usage: python3 -m agent.router", flush=True)
         return 2
-    setup(journal=True, verbose=True)  # routed requests are logged at debug level
+    setup(journal=True)
     with contextlib.suppress(KeyboardInterrupt):
         return loop.run(run_systemd())
     return 0

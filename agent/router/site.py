@@ -192,8 +192,8 @@ class RouterSite:
             key = self.key(ex)  # Refusal(401) if the gate found none
             if key is not None:
                 self.in_scope(key, route.slug)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
+        if self.router.config.log_requests:
+            log.info(
                 "Routing %s %s for model %s to %s",
                 req.method,
                 quoted(req.target),

@@ -6,6 +6,7 @@
     address = "127.0.0.1:8100"      # or a list; "[::1]:8100", "/run/providerd-router.sock"
     max_body = "16M"                # request bodies larger than this are answered 413
     idle_timeout_s = 600            # the router's process exits after this long without requests
+    log_requests = false            # true: one journal line per routed request
 
     [gpu]
     headroom_gb = 1.0               # VRAM kept free on a card beyond a provider's need
@@ -43,6 +44,7 @@ class RouterConfig:
     addresses: tuple[Address, ...] = (DEFAULT_ROUTER_ADDRESS,)
     max_body: int = DEFAULT_MAX_BODY  # bytes
     idle_timeout_s: float = 600.0
+    log_requests: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,14 @@ KEYS: tuple[Key, ...] = (
         "The router's process exits after this long without requests.",
         low=1,
         high=7 * 86400,
+    ),
+    Key(
+        "router",
+        "log_requests",
+        "bool",
+        "boolean",
+        "false",
+        "One line per routed request in the router's journal (method, path, model, provider).",
     ),
     Key(
         "gpu",

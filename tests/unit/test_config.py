@@ -28,6 +28,7 @@ def test_a_missing_file_means_the_defaults(tmp_path: Path) -> None:
         addresses=(Address("127.0.0.1", 8100),),
         max_body=16 << 20,
         idle_timeout_s=600.0,
+        log_requests=False,
     )
     assert loaded.gpu.headroom_bytes == 1 << 30
     assert loaded.source is None
@@ -48,6 +49,7 @@ enabled = true
 address = ["127.0.0.1:9100", "[::1]:9100", "/run/providerd-router.sock"]
 max_body = "1.5M"
 idle_timeout_s = 30
+log_requests = true
 
 [gpu]
 headroom_gb = 0.5
@@ -63,6 +65,7 @@ headroom_gb = 0.5
             ),
             max_body=int(1.5 * (1 << 20)),
             idle_timeout_s=30.0,
+            log_requests=True,
         ),
         gpu=GpuConfig(headroom_gb=0.5),
         source=Path("/x.toml"),
@@ -82,7 +85,7 @@ def test_unknown_tables_and_keys_are_errors_with_a_hint() -> None:
         '/etc/providerd/providerd.toml: gpu.headroom: unknown key (did you mean "headroom_gb"?); '
         "known keys: headroom_gb",
         '/etc/providerd/providerd.toml: router.max_bdy: unknown key (did you mean "max_body"?); '
-        "known keys: enabled, address, max_body, idle_timeout_s",
+        "known keys: enabled, address, max_body, idle_timeout_s, log_requests",
     ]
     assert problems("enabled = true\n") == [
         "/etc/providerd/providerd.toml: enabled: unknown table; known tables: [router], [gpu]"
@@ -220,7 +223,7 @@ def test_a_bad_file_is_logged_and_the_boot_goes_on(
     assert generator.main([str(out)], log) == 0
     lines = buf.getvalue().splitlines()
     assert lines[0].endswith(
-        f"{path}: router.port: unknown key; known keys: enabled, address, max_body, idle_timeout_s"
+        f"{path}: router.port: unknown key; known keys: enabled, address, max_body, idle_timeout_s, log_requests"
     )
     assert "providerd-router.socket keeps its default address" in lines[1]
     assert not (out / "providerd-router.socket.d").exists()

@@ -172,8 +172,11 @@ def start() -> Iterator[Callable[..., RunningRouter]]:
         idle: float = 600,
         exit_on_idle: bool = False,
         keys: KeySet | None = None,
+        log_requests: bool = False,
     ) -> RunningRouter:
-        config = RouterConfig(enabled=True, max_body=max_body, idle_timeout_s=idle)
+        config = RouterConfig(
+            enabled=True, max_body=max_body, idle_timeout_s=idle, log_requests=log_requests
+        )
         r = RunningRouter(list(providers), config, exit_on_idle, keys)
         running.append(r)
         return r
@@ -394,11 +397,26 @@ def test_refusals_are_logged_at_info_with_the_name_escaped(
     c.send(post("a-1"))
     assert c.response()[0] == 200
     refused = [r for r in caplog.records if r.getMessage().startswith("Refused")]
-    routed = [r for r in caplog.records if r.getMessage().startswith("Routing")]
     assert len(refused) == 1 and refused[0].levelno == logging.INFO
     assert '"evil\\"\\n\\u001b[31m"' in refused[0].getMessage()
     assert "\n" not in refused[0].getMessage() and "\x1b" not in refused[0].getMessage()
-    assert len(routed) == 1 and routed[0].levelno == logging.DEBUG
+    assert not [r for r in caplog.records if r.getMessage().startswith("Routing")]
+
+
+def test_routed_requests_are_logged_when_asked_for(
+    start: Callable[..., RunningRouter],
+    alpha: FakeProvider,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`log_requests = true`: one line per routed request, at info (the router's journal
+    level), with the target and the model escaped."""
+    r = start(alpha.provider(names=("a-1",)), log_requests=True)
+    caplog.set_level(logging.INFO, logger="providerd.router")
+    c = Client(r.port)
+    c.send(post("a-1"))
+    assert c.response()[0] == 200
+    routed = [x for x in caplog.records if x.getMessage().startswith("Routing")]
+    assert len(routed) == 1 and routed[0].levelno == logging.INFO
     assert routed[0].getMessage() == 'Routing POST "/v1/chat/completions" for model "a-1" to alpha'
 
 
