@@ -46,7 +46,7 @@ def post(ct: Container, path: str, body: dict[str, object]) -> tuple[int, str]:
 def routed(ct: Container, provider: Provider) -> Iterator[None]:
     ct.write(
         "/etc/providerd/providerd.toml",
-        f'[router]\nenabled = true\naddress = "127.0.0.1:{ROUTER_PORT}"\nidle_timeout_s = {IDLE_S}\n',
+        f'[router]\nenabled = true\naddress = "127.0.0.1:{ROUTER_PORT}"\nidle_timeout_s = {IDLE_S}\nlog_requests = true\n',
     )
     provider.add("ralpha", demo(18101, "alpha", 'names = ["alpha-1b"]'), reload=False)
     provider.add("rbeta", demo(18102, "beta", 'patterns = ["beta-.*"]'))
