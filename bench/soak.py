@@ -37,6 +37,9 @@ def main() -> int:
         help="the shortest cycle, s (default %(default)s)",
     )
     ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument(
+        "--pid1-debug", action="store_true", help="PID 1 logs at debug level during the cycles"
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("soak: needs root (systemd-nspawn)", file=sys.stderr)
@@ -46,7 +49,7 @@ def main() -> int:
         print(f"soak: {deb} does not exist; run `make deb`", file=sys.stderr)
         return 2
     with installed(deb, base_tarball(), f"providerd-soak-{os.getpid()}") as ct:
-        result = soak.run(ct, args.cycles, args.pace)
+        result = soak.run(ct, args.cycles, args.pace, args.pid1_debug)
         version = ct.sh("systemctl --version | head -n 1", check=False).out.strip()
     head = f"Soak under {version}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     text = "\n".join([head, *result.lines()]) + "\n"

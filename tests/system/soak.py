@@ -35,11 +35,16 @@ while True:
     c.close()
 """
 
-# Runs inside the container; prints one JSON object.
+# Runs inside the container; prints one JSON object. A cycle whose units are not released
+# in time captures, at that moment, what holds them ("held"): `providerctl stop`'s exit and
+# output, each unit's state, job and main process, systemd's jobs, the processes in the
+# provider's cgroups, and the journal of the units (PID 1's lines about them included) from
+# the cycle's start to just after the stop.
 CYCLES = """\
-import json, socket, subprocess, sys, time
+import json, os, re, socket, subprocess, sys, time
 cycles, port, slug, pace = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
 units = [f"provider@{slug}.service", f"provider-worker@{slug}.service"]
+RELEASE_S, AFTER_S = 30, 30
 
 def request():
     try:
@@ -58,18 +63,58 @@ def released():
     r = subprocess.run(["systemctl", "is-active", *units], capture_output=True, text=True)
     return all(s in ("inactive", "failed") for s in r.stdout.split())
 
-failed, slow, took = [], 0, []
+def out(*argv):
+    r = subprocess.run(argv, capture_output=True, text=True)
+    return (r.stdout + r.stderr).rstrip("\\n").splitlines()
+
+PROPS = ("Id,ActiveState,SubState,Job,Result,MainPID,ExecMainStatus,NRestarts,"
+         "ActiveEnterTimestampMonotonic,InactiveEnterTimestampMonotonic,ControlGroup")
+
+def held(i, stop, since, until):
+    lines = [f"cycle {i + 1}: held {RELEASE_S} s after `providerctl stop {slug}`, which exited"
+             f" {stop.returncode}: {(stop.stdout + stop.stderr).strip()!r}"]
+    show = out("systemctl", "show", "-p", PROPS, *units, f"provider@{slug}.socket")
+    lines += ["systemctl show:", *(f"  {l}" for l in show if l)]
+    lines += ["systemctl list-jobs:", *(f"  {l}" for l in out("systemctl", "list-jobs", "--no-pager"))]
+    lines.append("processes:")
+    for pid in sorted((p for p in os.listdir("/proc") if p.isdigit()), key=int):
+        try:
+            group = open(f"/proc/{pid}/cgroup").read().strip().rsplit(":", 1)[-1]
+        except OSError:
+            continue
+        if any(group.endswith("/" + u) for u in units):
+            lines += [f"  {group}: {l}" for l in out("ps", "-o", "pid=,stat=,etime=,args=", "-p", pid)]
+    # The units' lines and PID 1's about them; not those of a unit's set-up before its exec
+    # (a "(python3)" process), of which PID 1 at debug level logs a hundred per start.
+    journal = out("journalctl", "-q", "--no-pager", "-o", "short-monotonic",
+                  *(a for u in (*units, f"provider@{slug}.socket") for a in ("-u", u)),
+                  f"--since=@{int(since)}", f"--until=@{int(until) + 1}")
+    lines.append("journal (monotonic):")
+    lines += [f"  {l}" for l in journal if not re.search(r" \\([^)]*\\)\\[[0-9]+\\]: ", l)][:300]
+    return lines
+
+failed, captures, took = [], [], []
 t_all = time.monotonic()
 for i in range(cycles):
-    t0 = time.monotonic()
+    t0, since = time.monotonic(), time.time() - 1
     status = request()
     if status != "HTTP/1.1 200 OK":
         failed.append(f"cycle {i + 1}: {status}")
-    subprocess.run(["providerctl", "stop", slug], capture_output=True)
-    deadline = time.monotonic() + 30
+    stop = subprocess.run(["providerctl", "stop", slug], capture_output=True, text=True)
+    stopped = time.time()
+    if stop.returncode != 0:
+        failed.append(f"cycle {i + 1}: providerctl stop exited {stop.returncode}: {stop.stderr.strip()}")
+    deadline = time.monotonic() + RELEASE_S
     while not released():
         if time.monotonic() > deadline:
-            failed.append(f"cycle {i + 1}: not released within 30 s")
+            failed.append(f"cycle {i + 1}: not released within {RELEASE_S} s")
+            captures += held(i, stop, since, stopped + 2)
+            late = time.monotonic() + AFTER_S
+            while not released() and time.monotonic() < late:
+                time.sleep(0.1)
+            t = time.monotonic() - deadline + RELEASE_S
+            captures.append(f"cycle {i + 1}: " + (f"released {t:.1f} s after the stop" if released()
+                            else f"still held {t:.0f} s after the stop"))
             break
         time.sleep(0.01)
     took.append(time.monotonic() - t0)
@@ -78,6 +123,7 @@ took.sort()
 print(json.dumps({
     "cycles": cycles, "failed": failed, "seconds": round(time.monotonic() - t_all, 1),
     "cycle_p50_s": round(took[len(took) // 2], 3), "cycle_max_s": round(took[-1], 3),
+    "held": captures,
 }))
 """
 
@@ -104,7 +150,7 @@ class Soak:
     after: dict[str, int]
     leftover_processes: list[str]
     leftover_units: list[str]
-    journal: list[str]  # the provider's error lines, when something failed
+    journal: list[str]  # what held a cycle not released, and the provider's error lines
 
     def lines(self) -> list[str]:
         b, a = self.before, self.after
@@ -158,11 +204,14 @@ def remove(ct: Container) -> None:
     ct.sh(f"systemctl stop provider@{SLUG}.socket", check=False)
 
 
-def run(ct: Container, cycles: int, pace_s: float = PACE_S) -> Soak:
+def run(ct: Container, cycles: int, pace_s: float = PACE_S, pid1_debug: bool = False) -> Soak:
+    """`pid1_debug`: PID 1 logs at debug level during the cycles (its jobs, one by one)."""
     install(ct)
     ct.sh(f"python3 {LIB}/cycles.py 1 {PORT} {SLUG} {PACE_S}", timeout=120)  # warm-up
     before = _probe(ct)
     cmd = f"python3 {LIB}/cycles.py {cycles} {PORT} {SLUG} {pace_s}"
+    if pid1_debug:
+        cmd = f"systemd-analyze log-level debug && {cmd}; systemd-analyze log-level info"
     out = ct.sh(cmd, timeout=60 + cycles * 5).out
     result = json.loads(out.strip().splitlines()[-1])
     after = _probe(ct)
@@ -175,9 +224,9 @@ def run(ct: Container, cycles: int, pace_s: float = PACE_S) -> Soak:
         " | awk '$3 != \"inactive\"'",
         check=False,
     ).out.split("\n")
-    journal = []
+    journal = list(result["held"])
     if result["failed"]:
-        journal = ct.sh(
+        journal += ct.sh(
             f"journalctl -q --no-pager -o short-monotonic -u provider@{SLUG}.service"
             f" -u provider-worker@{SLUG}.service | grep -iE 'fail|error|refus' | head -n 30",
             check=False,
