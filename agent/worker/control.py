@@ -232,19 +232,25 @@ class SystemdWorker:
 
     async def _start_job(self, adopted: _Adopted | None, env: Mapping[str, str]) -> None:
         """The start job (or the adopted one) until the model answers; raises StartFailed."""
+        beside: str | None = None
         if self._with_front:
             self._with_front = False
-            await self._failed_with_front()
+            beside = await self._beside_front()
         watching: asyncio.Future[None] | None = None
         if not self._watching:
             # Set up while the start runs: it only matters once the worker is ready.
             watching = asyncio.ensure_future(self.systemd.watch(self.unit, self._state_changed))
             self._watching = True
-        job = asyncio.ensure_future(
-            self.systemd.start_unit(self.unit)
-            if adopted is None
-            else self.systemd.follow(self.unit, adopted.job)
-        )
+        job: asyncio.Future[str]
+        if adopted is not None:
+            job = asyncio.ensure_future(self.systemd.follow(self.unit, adopted.job))
+        elif beside == "":  # running already: nothing to ask PID 1 for
+            job = asyncio.get_running_loop().create_future()
+            job.set_result("done")
+        elif beside is not None:
+            job = asyncio.ensure_future(self.systemd.follow(self.unit, beside))
+        else:
+            job = asyncio.ensure_future(self.systemd.start_unit(self.unit))
         try:
             await self._until_started(job, self._probe(env), watching)
         except BaseException:
@@ -354,21 +360,33 @@ class SystemdWorker:
             self._running = False
             self._exit_task = asyncio.get_running_loop().create_task(self._report_exit())
 
-    async def _failed_with_front(self) -> None:
-        """Raise StartFailed if the start systemd made beside the front has failed already.
+    async def _beside_front(self) -> str | None:
+        """The start systemd made beside the front, as the front finds it: the path of its
+        job still under way (followed), "" for a worker running already, None where it is
+        to be asked for (StartUnit); raises StartFailed if that start has failed already.
 
         The activation enqueued a start job for the worker with the front's; it is either
-        still under way (StartUnit joins it), done (StartUnit finds the unit active), or
-        failed before the front asked: "failed" with no job can only be that start's end,
-        since a start job clears an earlier failure when it runs.
+        still under way, done (the unit active), or failed before the front asked: "failed"
+        with no job can only be that start's end, since a start job clears an earlier
+        failure when it runs. No StartUnit for a start made already: PID 1 takes one from
+        the front only once polkit allows it, tens of milliseconds later, or hundreds on a
+        busy host; by then the model may have answered the front, and `providerctl stop`
+        may have stopped it, and the late start would then start the worker again and,
+        by its BindsTo=, the front that was leaving.
         """
         job, active = await asyncio.gather(  # sent together: one round trip, not two
             self.systemd.get(self.unit, "Unit", "Job"),
             self.systemd.get(self.unit, "Unit", "ActiveState"),
         )
-        job_id = job[0] if isinstance(job, (list, tuple)) and job else 0
+        ok = isinstance(job, (list, tuple)) and len(job) == 2
+        job_id, path = (job[0], str(job[1])) if ok else (0, "")
         if active == "failed" and not job_id:
             raise await self._failed(job_failed=await self._never_active())
+        if active == "active" and not job_id:
+            return ""
+        if job_id and active in ("activating", "inactive", "failed"):
+            return path  # a start job: a stop job ends at once on a unit that is not running
+        return None
 
     async def _never_active(self) -> bool:
         """Whether the unit has not been active since it last left "inactive": its start

@@ -168,6 +168,58 @@ def test_a_worker_beside_the_front_that_ran_and_exited_219_is_not_started_again(
     assert fake.unit(UNIT).starts == 1
 
 
+class SlowToAuthorize(FakeSystemd):
+    """PID 1 takes the front's StartUnit only once polkit allows it (the front runs as its
+    own user): tens of milliseconds later, hundreds on a busy host."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    async def start_unit(self, name: str) -> str:
+        await asyncio.sleep(self.delay_s)
+        return await super().start_unit(name)
+
+
+def test_a_stop_right_after_the_first_answer_is_not_undone_by_a_late_start() -> None:
+    """The worker systemd started beside the front answers the front's probe at once, and
+    the stop comes (the front's STOPPING=1 has PID 1 stop it by its BindsTo=) before a
+    StartUnit of the front's could have passed polkit: the worker stays stopped. A late
+    StartUnit would start it again, and by its BindsTo= the front that was leaving."""
+    fake = SlowToAuthorize(0.3)
+    model = listener()
+    port = model.getsockname()[1]
+    w = SystemdWorker(fake, "demo", start_timeout_s=5, with_front=True, ready=Ready("tcp"))
+
+    async def go() -> None:
+        await fake.start_with_front(UNIT)  # Type=exec: done once the model's program runs
+        await w.start({"PROVIDERD_WORKER_PORT": str(port)}, None)
+        await w.stop()
+        await asyncio.sleep(0.6)  # what was on its way to PID 1 has arrived
+
+    try:
+        asyncio.run(go())
+    finally:
+        model.close()
+    assert fake.unit(UNIT).active == "inactive"
+    assert fake.unit(UNIT).starts == 1
+    assert ("start", UNIT) not in fake.calls
+
+
+def test_the_front_follows_the_start_job_made_beside_it() -> None:
+    fake = FakeSystemd()
+    w = worker(fake, delay_s=0.2)
+
+    async def go() -> None:
+        fake.start_with_front(UNIT)
+        await asyncio.sleep(0.05)  # the job runs: the unit is activating
+        await w.start({}, None)
+
+    asyncio.run(go())
+    assert fake.unit(UNIT).active == "active" and fake.unit(UNIT).starts == 1
+    assert ("follow", UNIT) in fake.calls and ("start", UNIT) not in fake.calls
+
+
 def test_after_the_first_start_a_failed_worker_is_started_again() -> None:
     fake = FakeSystemd()
     w = worker(fake, result="exit-code", status=3)
