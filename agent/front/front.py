@@ -70,6 +70,7 @@ class _Outcome:
     took_s: float
     tail: tuple[str, ...] = ()  # the worker's last output lines, for the journal
     extra: dict[str, object] = field(default_factory=dict)  # more JSON for the 503
+    stopped: bool = False  # PID 1 stopped the worker while it started: no saved backoff
 
 
 def cold_start_refused(slug: str) -> Unavailable:
@@ -483,7 +484,10 @@ class Front:
             self.failure = cause
             self.failure_extra = dict(outcome.extra) if outcome else {}
             self._arm_backoff(self.backoff.next_delay())
-            self._save_backoff()
+            if not (outcome and outcome.stopped):
+                # A worker stopped while it started is no broken model: its condition on
+                # this file must not keep the next activation from starting it.
+                self._save_backoff()
         elif action == Action.RESUME_BACKOFF:
             left = self.backoff.left()
             self._arm_backoff(left)
@@ -572,7 +576,9 @@ class Front:
             if isinstance(body, dict):
                 reason = str(body.get("message", reason))
                 extra = {k: v for k, v in body.items() if k not in ("error", "message")}
-            self._dispatch(Event.START_FAILED, reason, _Outcome(took, tuple(tail), extra))
+            stopped = isinstance(e, StartFailed) and e.stopped
+            outcome = _Outcome(took, tuple(tail), extra, stopped)
+            self._dispatch(Event.START_FAILED, reason, outcome)
             return
         finally:
             over, self.first_start_over = self.first_start_over, lambda: None

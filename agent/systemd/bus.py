@@ -66,6 +66,11 @@ class Systemd(Protocol):
         """One property, e.g. ("Service", "Result"). `interface` is the short name."""
         ...
 
+    async def job_type(self, job: str) -> str:
+        """The JobType of the job at path `job` ("start", "stop", "restart", …); "" when
+        that job is over (PID 1 no longer has the object)."""
+        ...
+
     async def set_properties(self, name: str, props: Sequence[tuple[str, str, Any]]) -> None:
         """SetUnitProperties(runtime=true) with (name, D-Bus signature, value) triples."""
         ...
@@ -167,6 +172,18 @@ class DbusSystemd:
         props = unit.get_interface("org.freedesktop.DBus.Properties")
         variant = await props.call_get(f"{SD}.{interface}", prop)
         return variant.value
+
+    async def job_type(self, job: str) -> str:
+        from dbus_next.errors import DBusError
+
+        props = self._bus.get_proxy_object(SD, job, self._unit_node).get_interface(
+            "org.freedesktop.DBus.Properties"
+        )
+        try:
+            variant = await props.call_get(f"{SD}.Job", "JobType")
+        except DBusError:  # UnknownObject: the job ended since its path was read
+            return ""
+        return str(variant.value)
 
     async def set_properties(self, name: str, props: Sequence[tuple[str, str, Any]]) -> None:
         await self._manager.call_set_unit_properties(name, True, property_values(props))

@@ -59,6 +59,7 @@ class StartFailed(ProviderdError):
         result: object = None,
         status: object = None,
         job_failed: bool = False,
+        stopped: bool = False,
     ) -> None:
         super().__init__(reason)
         self.reason = reason
@@ -68,6 +69,9 @@ class StartFailed(ProviderdError):
         self.result = result
         self.status = status
         self.job_failed = job_failed
+        # PID 1 stopped the worker (or is stopping it) while it started: not the model's
+        # failure, and nothing to keep the next activation from starting it.
+        self.stopped = stopped
 
 
 class WorkerControl(Protocol):
@@ -166,11 +170,27 @@ class SystemdWorker:
     async def _report_exit(self) -> None:
         self._on_exit((await self._failure("exited"))[0])
 
-    async def _failed(self, *, job_failed: bool = False) -> StartFailed:
+    async def _failed(self, *, job_failed: bool = False, stopped: bool = False) -> StartFailed:
         """The failed start, with why and what systemd's Result= and ExecMainStatus= say."""
-        reason, result, status = await self._failure("failed to start")
+        stopped = stopped or await self._stop_job() != ""
+        if stopped:
+            reason, result, status = "worker was stopped while it started", None, None
+        else:
+            reason, result, status = await self._failure("failed to start")
         tail = await journal_tail(self.unit)
-        return StartFailed(reason, tail, result=result, status=status, job_failed=job_failed)
+        return StartFailed(
+            reason, tail, result=result, status=status, job_failed=job_failed, stopped=stopped
+        )
+
+    async def _stop_job(self) -> str:
+        """The path of the unit's stop job, "" where it has none (or the bus says nothing)."""
+        try:
+            job = await self.systemd.get(self.unit, "Unit", "Job")
+            if not (isinstance(job, (list, tuple)) and len(job) == 2 and job[0]):
+                return ""
+            return str(job[1]) if await self.systemd.job_type(str(job[1])) == "stop" else ""
+        except Exception:
+            return ""
 
     async def _failure(self, what: str) -> tuple[str, object, object]:
         """Why the worker `what` (exited, failed to start), and Result=, ExecMainStatus=."""
@@ -333,7 +353,8 @@ class SystemdWorker:
                 self._running = True
                 return
             raise await self._failed()  # done, and not active: its condition, say
-        raise await self._failed(job_failed=True)
+        # "canceled": a stop replaced the start job (PID 1's, or another client's)
+        raise await self._failed(job_failed=True, stopped=job.result() == "canceled")
 
     async def _devices_are(self, devices: DeviceRules) -> bool:
         """Whether the unit's DeviceAllow= is `devices` already (set so for an earlier start
@@ -363,7 +384,8 @@ class SystemdWorker:
     async def _beside_front(self) -> str | None:
         """The start systemd made beside the front, as the front finds it: the path of its
         job still under way (followed), "" for a worker running already, None where it is
-        to be asked for (StartUnit); raises StartFailed if that start has failed already.
+        to be asked for (StartUnit); raises StartFailed if that start has failed already,
+        or if the worker is being stopped.
 
         The activation enqueued a start job for the worker with the front's; it is either
         still under way, done (the unit active), or failed before the front asked: "failed"
@@ -372,7 +394,10 @@ class SystemdWorker:
         the front only once polkit allows it, tens of milliseconds later, or hundreds on a
         busy host; by then the model may have answered the front, and `providerctl stop`
         may have stopped it, and the late start would then start the worker again and,
-        by its BindsTo=, the front that was leaving.
+        by its BindsTo=, the front that was leaving. Nor for a worker being stopped (a
+        stop job, queued behind the front's own for a Type=exec worker, or "deactivating"):
+        a StartUnit would replace that stop. The job's own JobType says what it is: the
+        unit's state, read beside it, cannot tell a start job from a stop job.
         """
         job, active = await asyncio.gather(  # sent together: one round trip, not two
             self.systemd.get(self.unit, "Unit", "Job"),
@@ -380,13 +405,31 @@ class SystemdWorker:
         )
         ok = isinstance(job, (list, tuple)) and len(job) == 2
         job_id, path = (job[0], str(job[1])) if ok else (0, "")
-        if active == "failed" and not job_id:
+        if job_id:
+            kind = await self.systemd.job_type(path)
+            if kind in ("start", "restart"):
+                return path  # followed, whatever the state read beside it said
+            if kind == "stop":
+                raise await self._failed(stopped=True)
+            if not kind:  # over since: how it ended is the unit's state now
+                active = await self.systemd.get(self.unit, "Unit", "ActiveState")
+                if active == "inactive" and not await self._skipped():
+                    raise await self._failed(stopped=True)  # a stop's end, or a start's undone
+        if active == "failed":
             raise await self._failed(job_failed=await self._never_active())
-        if active == "active" and not job_id:
+        if active in ("active", "reloading"):
             return ""
-        if job_id and active in ("activating", "inactive", "failed"):
-            return path  # a start job: a stop job ends at once on a unit that is not running
-        return None
+        if active == "inactive":
+            return None  # not started yet, or skipped by its conditions: asked for
+        raise await self._failed(stopped=True)  # "deactivating": never asked to start
+
+    async def _skipped(self) -> bool:
+        """Whether the unit's last start was skipped by its conditions (keys on and no
+        worker.env yet, say): the front is to start it itself."""
+        try:
+            return await self.systemd.get(self.unit, "Unit", "ConditionResult") is False
+        except Exception:
+            return False
 
     async def _never_active(self) -> bool:
         """Whether the unit has not been active since it last left "inactive": its start

@@ -43,6 +43,7 @@ class Unit:
     memory_current: int = 2**64 - 1
     memory_max: int = 2**64 - 1
     job: int = 0  # the id of the unit's pending job, 0 for none
+    condition_result: bool = False  # ConditionResult: its last condition check passed
     # Monotonic µs of its last entry into "active" and exit from "inactive"/"failed".
     active_enter_us: int = 0
     inactive_exit_us: int = 0
@@ -55,6 +56,7 @@ class FakeSystemd:
         self._jobs: dict[str, asyncio.Task[str]] = {}
         self._next_job = 0
         self._cancelled: set[int] = set()  # start jobs a stop replaced before they ran
+        self._job_types: dict[int, str] = {}  # JobType by job id
 
     def unit(self, name: str) -> Unit:
         return self.units.setdefault(name, Unit(name))
@@ -94,9 +96,24 @@ class FakeSystemd:
             return "done"  # over before this connection saw it: the unit's state tells
         return await asyncio.shield(task)
 
+    def queue_stop(self, name: str) -> str:
+        """A stop job PID 1 has queued for the unit (a Type=exec worker's, behind its front's
+        own stop) and not run yet: the unit stays as it is. Its job's path."""
+        unit = self.unit(name)
+        unit.job = self._next_job = self._next_job + 1
+        self._job_types[unit.job] = "stop"
+        return f"/org/freedesktop/systemd1/job/{unit.job}"
+
+    async def job_type(self, job: str) -> str:
+        for unit in self.units.values():
+            if unit.job and job == f"/org/freedesktop/systemd1/job/{unit.job}":
+                return self._job_types[unit.job]
+        return ""  # over: PID 1 no longer has the object
+
     def _start_job_task(self, name: str) -> asyncio.Task[str]:
         unit = self.unit(name)
         unit.job = self._next_job = self._next_job + 1
+        self._job_types[unit.job] = "start"
         task = asyncio.get_running_loop().create_task(self._run_start(name, unit.job))
         self._jobs[name] = task
         job = unit.job
@@ -120,7 +137,8 @@ class FakeSystemd:
             return "canceled"  # a stop replaced it before it ran
         if unit.active == "active":
             return "done"
-        if b.condition_path is not None and not os.path.exists(b.condition_path):
+        unit.condition_result = b.condition_path is None or os.path.exists(b.condition_path)
+        if not unit.condition_result:
             return "done"  # condition unmet: the job is done, the unit stays inactive
         unit.starts += 1
         self._set(unit, "activating", "start")
@@ -140,6 +158,8 @@ class FakeSystemd:
         if name in self._jobs:  # "replace": the pending start job is cancelled
             self._cancelled.add(unit.job)
             self._jobs.pop(name)
+            unit.job = 0
+        if self._job_types.get(unit.job) == "stop":  # the queued stop runs now
             unit.job = 0
         if unit.active in ("inactive", "failed"):
             return "done"
@@ -161,6 +181,7 @@ class FakeSystemd:
             ("Unit", "SubState"): unit.sub,
             ("Unit", "ActiveEnterTimestampMonotonic"): unit.active_enter_us,
             ("Unit", "InactiveExitTimestampMonotonic"): unit.inactive_exit_us,
+            ("Unit", "ConditionResult"): unit.condition_result,
             ("Unit", "Job"): [
                 unit.job,
                 f"/org/freedesktop/systemd1/job/{unit.job}" if unit.job else "/",

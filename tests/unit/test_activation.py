@@ -220,6 +220,163 @@ def test_the_front_follows_the_start_job_made_beside_it() -> None:
     assert ("follow", UNIT) in fake.calls and ("start", UNIT) not in fake.calls
 
 
+def test_a_worker_with_a_stop_job_queued_is_not_asked_to_start() -> None:
+    """A Type=exec worker's stop waits behind its front's own (the front is ordered after
+    it): the unit is still "active" with a stop job. A StartUnit would replace that stop,
+    and by the worker's BindsTo= start the front again."""
+    fake = FakeSystemd()
+    w = worker(fake)
+
+    async def go() -> None:
+        await fake.start_with_front(UNIT)
+        fake.queue_stop(UNIT)
+        await w.start({}, None)
+
+    with pytest.raises(StartFailed, match="stopped while it started") as failed:
+        asyncio.run(go())
+    assert failed.value.stopped
+    assert ("start", UNIT) not in fake.calls and fake.unit(UNIT).starts == 1
+    assert fake.unit(UNIT).active == "active" and fake.unit(UNIT).job  # left to PID 1
+
+
+def test_a_deactivating_worker_is_not_asked_to_start() -> None:
+    fake = FakeSystemd()
+    w = worker(fake)
+
+    async def go() -> None:
+        await fake.start_with_front(UNIT)
+        fake.unit(UNIT).active, fake.unit(UNIT).sub = "deactivating", "stop-sigterm"
+        await w.start({}, None)
+
+    with pytest.raises(StartFailed, match="stopped while it started") as failed:
+        asyncio.run(go())
+    assert failed.value.stopped
+    assert ("start", UNIT) not in fake.calls
+
+
+class StaleState(FakeSystemd):
+    """ActiveState as read beside Job says `state`, whatever the unit does."""
+
+    def __init__(self, state: str) -> None:
+        super().__init__()
+        self.state: str | None = state
+
+    async def get(self, name: str, interface: str, prop: str) -> object:
+        if (interface, prop) == ("Unit", "ActiveState") and self.state is not None:
+            state, self.state = self.state, None
+            return state
+        return await super().get(name, interface, prop)
+
+
+@pytest.mark.parametrize("state", ["active", "deactivating", "inactive", "failed"])
+def test_a_start_job_is_followed_whatever_the_state_read_beside_it(state: str) -> None:
+    fake = StaleState(state)
+    w = worker(fake, delay_s=0.2)
+
+    async def go() -> None:
+        fake.start_with_front(UNIT)
+        await asyncio.sleep(0.05)  # the job runs
+        await w.start({}, None)
+
+    asyncio.run(go())
+    assert fake.unit(UNIT).active == "active" and fake.unit(UNIT).starts == 1
+    assert ("follow", UNIT) in fake.calls and ("start", UNIT) not in fake.calls
+
+
+class JobEndsBetweenReads(FakeSystemd):
+    """The unit's job ends after its Job was read and before its JobType is: a queued stop
+    runs (the worker stops), or, `skipped`, a start its conditions skip."""
+
+    def __init__(self, skipped: bool) -> None:
+        super().__init__()
+        self.skipped = skipped
+
+    async def job_type(self, job: str) -> str:
+        unit = self.unit(UNIT)
+        unit.job = 0
+        if self.skipped:
+            unit.condition_result = False
+        else:
+            self._set(unit, "inactive", "dead")
+        return await super().job_type(job)
+
+
+def test_a_job_that_ends_between_the_reads_is_no_reason_to_start() -> None:
+    fake = JobEndsBetweenReads(skipped=False)
+    w = worker(fake)
+
+    async def go() -> None:
+        await fake.start_with_front(UNIT)
+        fake.queue_stop(UNIT)
+        await w.start({}, None)
+
+    with pytest.raises(StartFailed, match="stopped while it started"):
+        asyncio.run(go())
+    assert ("start", UNIT) not in fake.calls and fake.unit(UNIT).active == "inactive"
+
+
+def test_a_start_skipped_by_its_conditions_between_the_reads_is_asked_for() -> None:
+    fake = JobEndsBetweenReads(skipped=True)
+    w = worker(fake)
+
+    async def go() -> None:
+        fake.unit(UNIT).job = 99  # the activation's start job, about to be skipped
+        fake._job_types[99] = "start"
+        await w.start({}, None)
+
+    fake.unit(UNIT).condition_result = True
+    asyncio.run(go())
+    assert ("start", UNIT) in fake.calls and fake.unit(UNIT).active == "active"
+
+
+def test_a_start_job_a_stop_cancels_is_a_stop_not_a_failure() -> None:
+    fake = FakeSystemd()
+    w = worker(fake, delay_s=0.3)
+
+    async def go() -> None:
+        fake.start_with_front(UNIT)
+        await asyncio.sleep(0.05)
+        stop = asyncio.get_running_loop().call_later(
+            0.1, lambda: asyncio.ensure_future(fake.stop_unit(UNIT))
+        )
+        try:
+            await w.start({}, None)
+        finally:
+            stop.cancel()
+
+    with pytest.raises(StartFailed) as failed:
+        asyncio.run(go())
+    assert failed.value.stopped and failed.value.job_failed
+    assert ("start", UNIT) not in fake.calls
+
+
+def test_a_start_stopped_by_pid1_keeps_no_backoff_for_the_next_activation(
+    runtime: Path,
+) -> None:
+    """The backoff file's condition would keep the worker from starting on the next
+    activation: a stop is no broken model."""
+    path = runtime / "demo.backoff"
+    fake = FakeSystemd()
+    w = worker(fake)
+
+    async def go() -> tuple[bytes, State]:
+        await fake.start_with_front(UNIT)
+        fake.queue_stop(UNIT)
+        sock = listener()
+        front = Front(provider(), w, [sock], exit_on_idle=False, worker_port=0, backoff_file=path)
+        front.start_accepting()
+        answer = await get(sock.getsockname()[1])
+        state = front.state
+        await shutdown(front, w)
+        return answer, state
+
+    answer, state = asyncio.run(go())
+    assert answer.startswith(b"HTTP/1.1 503") and b"stopped while it started" in answer, answer
+    assert state == State.BACKOFF
+    assert not path.exists()
+    assert ("start", UNIT) not in fake.calls
+
+
 def test_after_the_first_start_a_failed_worker_is_started_again() -> None:
     fake = FakeSystemd()
     w = worker(fake, result="exit-code", status=3)
