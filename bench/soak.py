@@ -38,7 +38,9 @@ def main() -> int:
     )
     ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument(
-        "--pid1-debug", action="store_true", help="PID 1 logs at debug level during the cycles"
+        "--pid1-debug",
+        action="store_true",
+        help="PID 1 logs at debug level during the cycles (implies --no-write)",
     )
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -54,7 +56,7 @@ def main() -> int:
     head = f"Soak under {version}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     text = "\n".join([head, *result.lines()]) + "\n"
     print(text, end="")
-    if not args.no_write:
+    if not args.no_write and not args.pid1_debug:  # a debug-level run is not a result
         RESULTS.write_text(text)
     bad = result.failed or result.leftover_processes or result.leftover_units
     return 1 if bad else 0

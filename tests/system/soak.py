@@ -60,12 +60,33 @@ def request():
         return repr(e)
 
 def released():
-    r = subprocess.run(["systemctl", "is-active", *units], capture_output=True, text=True)
+    try:
+        r = subprocess.run(["systemctl", "is-active", *units], capture_output=True, text=True,
+                           timeout=10)
+    except subprocess.TimeoutExpired:
+        return False
     return all(s in ("inactive", "failed") for s in r.stdout.split())
 
+def text(b):
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
 def out(*argv):
-    r = subprocess.run(argv, capture_output=True, text=True)
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired as e:
+        return [*(text(e.stdout) + text(e.stderr)).rstrip("\\n").splitlines(), "(timed out after 10 s)"]
     return (r.stdout + r.stderr).rstrip("\\n").splitlines()
+
+class Stop:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+def stop_provider():
+    try:
+        return subprocess.run(["providerctl", "stop", slug], capture_output=True, text=True,
+                              timeout=RELEASE_S)
+    except subprocess.TimeoutExpired as e:
+        return Stop(f"nothing: still running after {RELEASE_S} s", text(e.stdout), text(e.stderr))
 
 PROPS = ("Id,ActiveState,SubState,Job,Result,MainPID,ExecMainStatus,NRestarts,"
          "ActiveEnterTimestampMonotonic,InactiveEnterTimestampMonotonic,ControlGroup")
@@ -100,24 +121,32 @@ for i in range(cycles):
     status = request()
     if status != "HTTP/1.1 200 OK":
         failed.append(f"cycle {i + 1}: {status}")
-    stop = subprocess.run(["providerctl", "stop", slug], capture_output=True, text=True)
+    asked = time.monotonic()
+    stop = stop_provider()
     stopped = time.time()
+    timed_out = isinstance(stop, Stop)
     if stop.returncode != 0:
         failed.append(f"cycle {i + 1}: providerctl stop exited {stop.returncode}: {stop.stderr.strip()}")
-    deadline = time.monotonic() + RELEASE_S
-    while not released():
-        if time.monotonic() > deadline:
+    deadline = asked + RELEASE_S
+    while timed_out or not released():
+        if timed_out or time.monotonic() > deadline:
             failed.append(f"cycle {i + 1}: not released within {RELEASE_S} s")
-            captures += held(i, stop, since, stopped + 2)
+            # The first held cycle alone is captured, and the cycles end with it: a few held
+            # cycles must not outlast the caller's own timeout, with what they found.
+            lines = held(i, stop, since, stopped + 2)
             late = time.monotonic() + AFTER_S
             while not released() and time.monotonic() < late:
                 time.sleep(0.1)
-            t = time.monotonic() - deadline + RELEASE_S
-            captures.append(f"cycle {i + 1}: " + (f"released {t:.1f} s after the stop" if released()
-                            else f"still held {t:.0f} s after the stop"))
+            t = time.monotonic() - asked
+            lines.append(f"cycle {i + 1}: " + (f"released {t:.1f} s after the stop" if released()
+                         else f"still held {t:.0f} s after the stop"))
+            print("\\n".join(lines), file=sys.stderr, flush=True)
+            captures += lines
             break
         time.sleep(0.01)
     took.append(time.monotonic() - t0)
+    if captures:
+        break
     time.sleep(max(0.0, t0 + pace - time.monotonic()))
 took.sort()
 print(json.dumps({
@@ -211,7 +240,10 @@ def run(ct: Container, cycles: int, pace_s: float = PACE_S, pid1_debug: bool = F
     before = _probe(ct)
     cmd = f"python3 {LIB}/cycles.py {cycles} {PORT} {SLUG} {pace_s}"
     if pid1_debug:
-        cmd = f"systemd-analyze log-level debug && {cmd}; systemd-analyze log-level info"
+        cmd = (
+            f"systemd-analyze log-level debug && "
+            f"{{ {cmd}; rc=$?; systemd-analyze log-level info; exit $rc; }}"
+        )
     out = ct.sh(cmd, timeout=60 + cycles * 5).out
     result = json.loads(out.strip().splitlines()[-1])
     after = _probe(ct)
