@@ -6,10 +6,10 @@ keep-alive connection holds no buffer, a request in flight holds none while the 
 works, and a head grows from HEAD_SIZE to BUFFER_SIZE only as its bytes arrive (at most
 MAX_HEAD: 431, or 414 for a request line alone).
 
-Time limits, all from one timer per connection that is moved lazily: a head must be
-complete within HEADER_TIMEOUT_S (of the accept for the first request, of its first byte
-after that: else 408); a connection with no request for KEEPALIVE_TIMEOUT_S is closed
-without an answer. What happens to a request once its head is parsed is the `Exchange`'s
+Time limits, all from one deadline per connection on the loop's deadline queue
+(agent.net.deadlines), moved lazily: a head must be complete within HEADER_TIMEOUT_S (of
+the accept for the first request, of its first byte after that: else 408); a connection
+with no request for KEEPALIVE_TIMEOUT_S is closed without an answer. What happens to a request once its head is parsed is the `Exchange`'s
 (agent.core.exchange); this class feeds it the body and what follows.
 """
 
@@ -20,8 +20,9 @@ import logging
 from collections.abc import Callable
 from typing import Protocol, cast
 
-from agent.net import sockio
+from agent.net import deadlines, sockio
 from agent.net.answers import Answer, Style, made_up
+from agent.net.deadlines import Entry
 from agent.net.headcache import request_head
 from agent.net.http import (
     MAX_HEAD,
@@ -67,8 +68,6 @@ PENDING_MAX = BUFFER_SIZE  # bytes held ahead of the request in flight (pipelini
 _SCRATCH = memoryview(bytearray(4096))  # what a closing connection reads into, and drops
 
 # Why reading is paused: bits, so that each cause resumes only its own pause.
-# uvloop's clock counts whole milliseconds: a timer may read as fired up to one early.
-CLOCK_STEP_S = 0.001
 PAUSE_AHEAD = 1  # too much sent ahead of the request in flight
 PAUSE_UPSTREAM = 2  # the upstream does not take the body as fast as it comes
 PAUSE_WAIT = 4  # the exchange does not want bytes now
@@ -80,12 +79,11 @@ class ClientConn(asyncio.BufferedProtocol):
     `on_closed` runs once when the connection is gone."""
 
     __slots__ = (
-        "_timer",
-        "_timer_at",
         "ahead",
         "buf",
         "closed",
         "closing",
+        "deadlines",
         "due",
         "due_kind",
         "end",
@@ -95,6 +93,7 @@ class ClientConn(asyncio.BufferedProtocol):
         "loop",
         "on_closed",
         "paused",
+        "queued",
         "site",
         "start",
         "style",
@@ -125,12 +124,10 @@ class ClientConn(asyncio.BufferedProtocol):
         self.closing = False  # answered and closing first: reads are dropped
         self.write_paused = False
         self.paused = 0
-        self.due: float | None = None  # the head or keep-alive deadline (loop time)
-        self.due_kind = ""  # "head" | "idle" | "linger"
-        # Not the handle's when(): uvloop returns a plain Handle (no when()) for a call_at
-        # whose delay rounds to 0 ms on its millisecond clock.
-        self._timer: asyncio.Handle | None = None
-        self._timer_at = 0.0
+        self.due: float | None = None  # the connection's deadline (loop time)
+        self.due_kind = ""  # "head" | "idle" | "linger" | "request"
+        self.deadlines = deadlines.of(self.loop)
+        self.queued: Entry | None = None  # the deadline queue's entry for this connection
         self.head_due: float | None = None
 
     # -- asyncio callbacks ---------------------------------------------------------------
@@ -331,30 +328,22 @@ class ClientConn(asyncio.BufferedProtocol):
     # -- time limits ---------------------------------------------------------------------
 
     def deadline(self, due: float | None, kind: str) -> None:
-        """Move the connection's deadline. A later one leaves the timer alone (it re-arms
-        when it fires early); only an earlier one moves it."""
+        """Move the connection's deadline. A later one leaves the queue's entry alone (it
+        is pushed again when it pops early); only an earlier one is pushed."""
         self.due, self.due_kind = due, kind
-        if due is None:
-            return
-        if self._timer is not None:
-            if self._timer_at <= due:
-                return
-            self._timer.cancel()
-        self._timer, self._timer_at = self.loop.call_at(due, self._fire), due
+        if due is not None:
+            self.deadlines.arm(self, due)
 
-    def _fire(self) -> None:
-        self._timer = None
-        due = self.due
-        if due is None or self.closed:
-            return
-        if self.loop.time() < due - CLOCK_STEP_S:  # moved later while the timer ran
-            self._timer, self._timer_at = self.loop.call_at(due, self._fire), due
+    def expire(self) -> None:
+        """The deadline has come (agent.net.deadlines calls this when `due` has passed)."""
+        if self.closed:
             return
         kind, self.due = self.due_kind, None
         if kind == "request":
             if self.ex is not None:
                 self.ex.tick()
-        elif kind == "linger":
+        elif kind == "linger":  # the client did not close within LINGER_S: now we do
+            self.closing = False
             self.close()
         elif kind == "head" and self.end > self.start:
             limit = sockio.HEADER_TIMEOUT_S
@@ -409,9 +398,7 @@ class ClientConn(asyncio.BufferedProtocol):
     def finish(self) -> None:
         self.closed = True
         self.due = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self.deadlines.drop(self)
         self.take_pending()
         if self.on_closed is not None:
             callback, self.on_closed = self.on_closed, None

@@ -3,8 +3,9 @@ the tunnel it becomes after a `101` (or a 2xx to CONNECT).
 
 `request_timeout_s` is an inactivity limit: to the first byte of the response and between
 any two bytes either way (504 before the response began, a cut after). A body that sends
-nothing for sockio.BODY_TIMEOUT_S gets 408. Both ride on the connection's one timer
-(ClientConn.deadline), moved lazily: re-armed about once per limit, not per request or byte.
+nothing for sockio.BODY_TIMEOUT_S gets 408. Both ride on the connection's one deadline
+(ClientConn.deadline, on the loop's queue: agent.net.deadlines), moved lazily: pushed again
+about once per limit, not per request or byte.
 
 A tunnel keeps its lease until both sides have closed; each side's EOF is passed on.
 
@@ -86,7 +87,7 @@ class Streaming:
             self.conn.deadline(None, "")
 
     def tick(self) -> None:
-        """The connection's timer fired for this request: a time limit passed, or it moves."""
+        """The connection's deadline came for this request: a time limit passed, or it moves."""
         if self.over:
             return
         now = self.conn.loop.time()

@@ -1,12 +1,17 @@
-"""ClientConn's reading pauses (agent.net.client), on a transport that records them."""
+"""ClientConn (agent.net.client): its reading pauses, on a transport that records them; its
+deadlines."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+
+import pytest
 
 from agent.net import client
 from agent.net.answers import Style
 from agent.net.client import ClientConn
+from agent.net.proxy import accept_http
 
 
 class Recording(asyncio.Transport):
@@ -68,3 +73,35 @@ def test_a_deadline_moved_after_a_timer_that_rounds_to_now_is_kept() -> None:
         assert conn.closing or conn.closed, "the idle deadline in the past did not close it"
 
     asyncio.run(test())
+
+
+def test_a_connection_answered_and_closed_first_lingers_for_its_time_then_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a 400 the connection shuts down writing and reads and drops what the client
+    still sends for LINGER_S (its deadline on the loop's queue), then closes."""
+    monkeypatch.setattr(client, "LINGER_S", 0.3)
+
+    async def go() -> tuple[bytes, float, float]:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        closed = loop.create_future()
+        accept_http(ours, NoSite(), Style("t"), lambda: closed.set_result(loop.time()))
+        try:
+            await loop.sock_sendall(theirs, b"BAD\r\n\r\n")
+            sent = loop.time()
+            answer = b""
+            async with asyncio.timeout(5):
+                while chunk := await loop.sock_recv(theirs, 4096):  # to the answer's EOF
+                    answer += chunk
+            await loop.sock_sendall(theirs, b"more the client still sends")
+            async with asyncio.timeout(5):
+                at = await closed
+        finally:
+            theirs.close()
+        return answer, sent, at
+
+    answer, sent, at = asyncio.run(go())
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    assert at - sent >= 0.3 - 0.01  # not before its linger (less the loop's ms steps)
