@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from agent.net.answers import Style
 from agent.net.client import ClientConn, Site
+from agent.net.deadlines import Entry
 from agent.net.proxy import accept_http
 from agent.net.ratelog import RateLog
 
@@ -160,12 +161,28 @@ class Listeners:
                 self.log.warning("Failed to take connection: %s, ignoring", e)
 
 
+class Grace:
+    """A new connection's first-request grace, a deadline on the loop's queue."""
+
+    __slots__ = ("conn", "due", "listeners", "queued")
+
+    def __init__(self, listeners: HttpListeners, conn: ClientConn, due: float) -> None:
+        self.listeners = listeners
+        self.conn = conn
+        self.due: float | None = due
+        self.queued: Entry | None = None
+
+    def expire(self) -> None:
+        self.listeners.first_request(self.conn)
+
+
 class HttpListeners(Listeners):
     """Listeners whose connections go to the connection core (`accept_http`), each with a
     first-request grace: until its first request begins (`first_request`, at most
     `grace_s`), a new connection counts as fresh (`on_fresh(+1)`, then `on_fresh(-1)`), so
     an idle exit decided meanwhile does not cut a connection whose request is on its way.
-    `connections` holds every connection until it has closed."""
+    `connections` holds every connection until it has closed, with its grace while fresh
+    (a deadline on the loop's queue, agent.net.deadlines: no timer of its own)."""
 
     def __init__(
         self,
@@ -181,20 +198,22 @@ class HttpListeners(Listeners):
         self.style = style
         self.grace_s = grace_s
         self.on_fresh = on_fresh
-        self.connections: dict[ClientConn, asyncio.TimerHandle | None] = {}
+        self.connections: dict[ClientConn, Grace | None] = {}
         self.all_closed: asyncio.Event | None = None  # set once none is open, when asked for
 
     def _accepted(self, sock: socket.socket) -> None:
         loop = self.loop or asyncio.get_running_loop()
         conn = accept_http(sock, self.site, self.style, lambda: self._closed(conn), loop)
-        self.connections[conn] = loop.call_later(self.grace_s, self.first_request, conn)
+        due = loop.time() + self.grace_s
+        grace = self.connections[conn] = Grace(self, conn, due)
+        conn.deadlines.arm(grace, due)
         self.on_fresh(+1)
 
     def first_request(self, conn: ClientConn) -> None:
         """`conn` began a request, or its grace ran out: it is no longer fresh."""
-        timer = self.connections.get(conn)
-        if timer is not None:
-            timer.cancel()
+        grace = self.connections.get(conn)
+        if grace is not None:
+            conn.deadlines.drop(grace)
             self.connections[conn] = None
             self.on_fresh(-1)
 

@@ -1,4 +1,5 @@
-"""The accept side: the connection cap and running out of file descriptors."""
+"""The accept side: the connection cap, running out of file descriptors, the first-request
+grace, and the deadlines a connection leaves behind (none)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,15 @@ import asyncio
 import errno
 import logging
 import socket
+from pathlib import Path
 
 import pytest
 
-from agent.net import listeners
-from agent.net.listeners import Listeners
+from agent.net import deadlines, listeners
+from agent.net.answers import Style
+from agent.net.client import ClientConn
+from agent.net.deadlines import COMPACT_MIN
+from agent.net.listeners import HttpListeners, Listeners
 
 
 class Exhausted:
@@ -142,3 +147,122 @@ def test_a_connection_that_cannot_be_taken_costs_only_itself(
     assert any(
         "Failed to take connection: the loop refused it" in r.getMessage() for r in caplog.records
     )
+
+
+# -- the connections' deadlines: first-request grace, and none left behind by a close ------
+
+
+class Answering:
+    """A site that counts each request as its connection's first (as the front's does) and
+    answers 204."""
+
+    def __init__(self) -> None:
+        self.listening: HttpListeners | None = None
+
+    def exchange(self, conn: ClientConn, req: object, head_end: int) -> None:
+        assert self.listening is not None
+        self.listening.first_request(conn)
+        conn.start = head_end
+        conn.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        conn.request_done(keep=True)
+
+
+def unix_listener(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    sock.listen(1024)
+    return sock
+
+
+def http_listeners(sock: socket.socket, grace_s: float, fresh: list[int]) -> HttpListeners:
+    site = Answering()
+    ls = HttpListeners([sock], site, Style("t"), logging.getLogger("t"), grace_s, fresh.append)
+    site.listening = ls
+    return ls
+
+
+def test_a_new_connection_is_fresh_until_its_first_request_or_its_grace_ends(
+    tmp_path: Path,
+) -> None:
+    async def go() -> tuple[list[int], list[int], float]:
+        loop = asyncio.get_running_loop()
+        fresh: list[int] = []
+        path = tmp_path / "s"
+        ls = http_listeners(unix_listener(path), 0.3, fresh)
+        ls.start()
+        asking = socket.socket(socket.AF_UNIX)
+        asking.connect(str(path))
+        async with asyncio.timeout(5):
+            while len(fresh) < 1:
+                await asyncio.sleep(0.005)
+        asking.sendall(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+        async with asyncio.timeout(5):
+            while len(fresh) < 2:
+                await asyncio.sleep(0.005)
+        after_request = list(fresh)  # +1 at the accept, -1 at the request
+        silent = socket.socket(socket.AF_UNIX)
+        silent.connect(str(path))
+        async with asyncio.timeout(5):
+            while len(fresh) < 3:
+                await asyncio.sleep(0.001)
+        accepted = loop.time()
+        async with asyncio.timeout(5):
+            while len(fresh) < 4:
+                await asyncio.sleep(0.005)
+        waited = loop.time() - accepted
+        for s in (asking, silent):
+            s.close()
+        async with asyncio.timeout(5):
+            while ls.connections:
+                await asyncio.sleep(0.005)
+        ls.stop()
+        return after_request, fresh, waited
+
+    after_request, fresh, waited = asyncio.run(go())
+    assert after_request == [1, -1]
+    assert fresh == [1, -1, 1, -1]  # the silent one's grace ran out; nothing counted twice
+    assert waited >= 0.3 - 0.01  # not before the grace (less the loop's ms steps)
+
+
+def test_ten_thousand_connections_opened_and_closed_leave_nothing_on_the_deadline_queue(
+    tmp_path: Path,
+) -> None:
+    """Each connection puts its head deadline and its grace on the loop's queue, and some
+    a 400's linger; a close takes them off: none stays, and the heap is rebuilt as the
+    stale entries pile up."""
+
+    async def go() -> tuple[int, int, int, int, list[int]]:
+        loop = asyncio.get_running_loop()
+        queue = deadlines.of(loop)
+        fresh: list[int] = []
+        path = tmp_path / "s"
+        ls = http_listeners(unix_listener(path), 5.0, fresh)
+        ls.start()
+        most = 0
+        sends = [b"", b"GET / HT", b"BAD\r\n\r\n", b"GET / HTTP/1.1\r\nHost: t\r\n\r\n"]
+        for _ in range(40):
+            clients = []
+            for i in range(250):
+                c = socket.socket(socket.AF_UNIX)
+                c.connect(str(path))
+                if sends[i % 4]:
+                    c.sendall(sends[i % 4])
+                clients.append(c)
+            async with asyncio.timeout(10):
+                while len(ls.connections) < 250:
+                    await asyncio.sleep(0.002)
+            await asyncio.sleep(0.01)  # heads read, answers sent, lingers armed
+            most = max(most, queue.entries())
+            for c in clients:
+                c.close()
+            async with asyncio.timeout(10):
+                while ls.connections:
+                    await asyncio.sleep(0.002)
+        ls.stop()
+        return len(queue), queue.entries(), most, ls.open, fresh
+
+    live, entries, most, still_open, fresh = asyncio.run(go())
+    assert (live, still_open) == (0, 0)
+    assert entries <= COMPACT_MIN  # stale ones only, bounded
+    assert most <= 2 * 2 * 250 + COMPACT_MIN + 1  # two deadlines per connection at most
+    assert sum(fresh) == 0 and len(fresh) == 20_000
