@@ -331,7 +331,7 @@ class ClientConn(asyncio.BufferedProtocol):
         """Move the connection's deadline. A later one leaves the queue's entry alone (it
         is pushed again when it pops early); only an earlier one is pushed."""
         self.due, self.due_kind = due, kind
-        if due is not None:
+        if due is not None and (self.queued is None or due < self.queued[0]):  # else: no push
             self.deadlines.arm(self, due)
 
     def expire(self) -> None:

@@ -3,8 +3,8 @@ keep-alive idle, linger, a request's inactivity) and a listener's first-request 
 ride on it, and the loop holds ONE timer, for the earliest entry.
 
 A loop timer per connection cost a uvloop TimerHandle (a libuv timer and its Python
-objects, about 610 bytes each, measured); an entry here is a tuple (due, seq, target) in
-a heap, about 136 bytes, and costs a push, no loop call.
+objects, about 610 bytes each, measured); an entry here is a list [due, seq, target] in a
+heap, about 160 bytes, and costs a push, no loop call.
 
 A target is any object with `due` (its deadline in loop time, or None), `queued` (its
 entry, kept for it by the queue) and `expire()`. Entries are deleted lazily:
@@ -13,9 +13,11 @@ entry, kept for it by the queue) and `expire()`. Entries are deleted lazily:
   pops (the target is then pushed again, at its `due`). A connection whose deadline moves
   on with every keep-alive request costs one push per time limit, not one per request.
 - `drop(target)` (a connection closed) forgets the entry: it is skipped when it pops.
-- Each target has at most one live entry (`target.queued is entry`); the others left in
-  the heap are stale, and the heap is rebuilt from the live ones when the stale outnumber
-  them (and COMPACT_MIN), so it never holds more than about twice the live entries.
+- Each target has at most one live entry (`target.queued`); an entry left behind (moved
+  earlier, or dropped) is stale: it lets go of its target at once (`entry[2] = None`: a
+  closed connection is not kept alive by the heap), is skipped when it pops, and the heap
+  is rebuilt from the live entries when the stale outnumber them (and COMPACT_MIN), so it
+  never holds more than about twice the live entries.
 
 Resolution: the loop's clock. uvloop's counts whole milliseconds, so its timer may read
 as fired up to one early: an entry within CLOCK_STEP_S of now is due. The time limits
@@ -34,7 +36,7 @@ import heapq
 import itertools
 import logging
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,9 @@ log = logging.getLogger(__name__)
 CLOCK_STEP_S = 0.001
 COMPACT_MIN = 64  # stale entries always allowed before the heap is rebuilt
 
-Entry = tuple[float, int, "Timed"]
+# [due, seq, target]: a list, so that a stale entry can let go of its target (None); the
+# seq breaks ties between equal dues (a heap compares lists item by item, in C).
+Entry = list[Any]
 
 
 class Timed(Protocol):
@@ -88,7 +92,9 @@ class Deadlines:
             self.live += 1
         elif old[0] <= due:
             return  # later: found when the entry pops
-        entry = (due, next(self._seq), target)
+        else:
+            old[2] = None  # stale from now on
+        entry = [due, next(self._seq), target]
         target.queued = entry
         heapq.heappush(self._heap, entry)
         if not self._firing and (self._timer is None or due < self._timer_at):
@@ -98,8 +104,9 @@ class Deadlines:
 
     def drop(self, target: Timed) -> None:
         """Forget `target`'s entry (its connection closed)."""
-        if target.queued is not None:
-            target.queued = None
+        entry = target.queued
+        if entry is not None:
+            entry[2] = target.queued = None
             self.live -= 1
             self._bound()
 
@@ -108,7 +115,7 @@ class Deadlines:
         place: a firing holds the list)."""
         heap = self._heap
         if len(heap) - self.live > max(COMPACT_MIN, self.live):
-            heap[:] = [e for e in heap if e[2].queued is e]
+            heap[:] = [e for e in heap if e[2] is not None]
             heapq.heapify(heap)
 
     def _schedule(self, at: float) -> None:
@@ -135,7 +142,7 @@ class Deadlines:
                 self._expire(entry, limit)
         finally:
             self._firing = False
-        while heap and heap[0][2].queued is not heap[0]:  # stale: moved or dropped
+        while heap and heap[0][2] is None:  # stale: moved or dropped
             heapq.heappop(heap)
         if heap:
             self._schedule(heap[0][0])
@@ -144,10 +151,10 @@ class Deadlines:
         """One popped entry: skipped if stale (moved or dropped), pushed again if its target
         moved its deadline later, else the target expires. Entries pushed meanwhile wait for
         the next turn of the loop."""
-        target = entry[2]
-        if target.queued is not entry:
+        target: Timed | None = entry[2]
+        if target is None:
             return
-        target.queued = None
+        entry[2] = target.queued = None
         self.live -= 1
         due = target.due
         if due is None:

@@ -10,8 +10,10 @@ stays armed has fired once its time is well past; how late is not asserted.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
+import weakref
 
 import pytest
 from hypothesis import given
@@ -122,6 +124,24 @@ def test_a_dropped_or_cleared_deadline_never_fires() -> None:
         assert (dropped.fired, cleared.fired, len(kept.fired)) == ([], [], 1)
 
     asyncio.run(go())
+
+
+def test_a_dropped_target_is_let_go_of_at_once() -> None:
+    """Its stale entry waits in the heap for its time, without the target (a closed
+    connection is not kept alive by its old deadline)."""
+
+    async def go() -> tuple[bool, int]:
+        loop = asyncio.get_running_loop()
+        queue = Deadlines(loop)
+        t = Target(loop)
+        t.set(queue, loop.time() + 3600.0)
+        gone = weakref.ref(t)
+        queue.drop(t)
+        del t
+        gc.collect()
+        return gone() is None, queue.entries()
+
+    assert asyncio.run(go()) == (True, 1)
 
 
 def test_ten_thousand_deadlines_each_fire_once() -> None:
