@@ -9,8 +9,10 @@ MAX_HEAD: 431, or 414 for a request line alone).
 Time limits, all from one deadline per connection on the loop's deadline queue
 (agent.net.deadlines), moved lazily: a head must be complete within HEADER_TIMEOUT_S (of
 the accept for the first request, of its first byte after that: else 408); a connection
-with no request for KEEPALIVE_TIMEOUT_S is closed without an answer. What happens to a request once its head is parsed is the `Exchange`'s
-(agent.core.exchange); this class feeds it the body and what follows.
+with no request for KEEPALIVE_TIMEOUT_S is closed without an answer; a connection that
+answered and closed first lingers for LINGER_S at most. What happens to a request once its
+head is parsed is the `Exchange`'s (agent.core.exchange); this class feeds it the body and
+what follows.
 """
 
 from __future__ import annotations
