@@ -137,15 +137,18 @@ class Deadlines:
         while heap and heap[0][0] <= limit:
             due_now.append(heapq.heappop(heap))
         self._firing = True
+        pending = iter(due_now)
         try:
-            for entry in due_now:
+            for entry in pending:
                 self._expire(entry, limit)
-        finally:
+        finally:  # also after a BaseException: the entries not reached wait for the next turn
             self._firing = False
-        while heap and heap[0][2] is None:  # stale: moved or dropped
-            heapq.heappop(heap)
-        if heap:
-            self._schedule(heap[0][0])
+            for entry in pending:
+                heapq.heappush(heap, entry)
+            while heap and heap[0][2] is None:  # stale: moved or dropped
+                heapq.heappop(heap)
+            if heap:
+                self._schedule(heap[0][0])
 
     def _expire(self, entry: Entry, limit: float) -> None:
         """One popped entry: skipped if stale (moved or dropped), pushed again if its target
@@ -180,5 +183,9 @@ def of(loop: asyncio.AbstractEventLoop) -> Deadlines:
     """The deadline queue of `loop` (made on first use)."""
     queue = _queues.get(loop)
     if queue is None:
+        # A closed loop's queue goes now: its timer would keep the loop, and so the queue and
+        # every connection still on it, alive for good.
+        for closed in [other for other in _queues if other.is_closed()]:
+            del _queues[closed]
         queue = _queues[loop] = Deadlines(loop)
     return queue

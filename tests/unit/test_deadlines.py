@@ -242,6 +242,55 @@ def test_each_loop_has_its_own_queue() -> None:
     assert asyncio.run(one()) is not asyncio.run(one())
 
 
+def test_a_closed_loops_queue_is_let_go_of_with_the_connections_on_it() -> None:
+    """A loop closed with a deadline still pending: its queue (whose timer holds the loop)
+    and the target on it are freed once another loop makes its queue."""
+
+    async def leave_one_pending() -> weakref.ref[Target]:
+        loop = asyncio.get_running_loop()
+        t = Target(loop)
+        t.set(deadlines.of(loop), loop.time() + 3600)
+        return weakref.ref(t)
+
+    left = [asyncio.run(leave_one_pending()) for _ in range(3)]
+
+    async def one() -> None:
+        deadlines.of(asyncio.get_running_loop())
+
+    asyncio.run(one())
+    gc.collect()
+    assert all(ref() is None for ref in left)
+    assert len(deadlines._queues) <= 1  # at most the last loop's, closed after `one`
+
+
+def test_an_expire_that_raises_a_base_exception_loses_no_other_deadline() -> None:
+    """KeyboardInterrupt out of one target's expire(): the targets due with it are served in
+    a later turn, and the queue still serves afterwards."""
+
+    class Interrupting(Target):
+        def expire(self) -> None:
+            super().expire()
+            raise KeyboardInterrupt
+
+    loop = asyncio.new_event_loop()
+    try:
+        queue = Deadlines(loop)
+        now = loop.time()
+        targets: list[Target] = [Interrupting(loop), *(Target(loop) for _ in range(3))]
+        for t in targets:
+            t.set(queue, now)  # all due in the same firing
+        with pytest.raises(KeyboardInterrupt):  # out of the loop, as asyncio lets it
+            loop.run_until_complete(asyncio.sleep(0.05))
+        loop.run_until_complete(settle(queue))
+        later = Target(loop)
+        later.set(queue, loop.time() + 0.01)
+        loop.run_until_complete(settle(queue))
+    finally:
+        loop.close()
+    targets.append(later)
+    assert all(len(t.fired) == 1 for t in targets)
+
+
 # -- the property: arm / move / clear / drop / wait, in any order ---------------------------
 
 TARGETS = 6
