@@ -67,6 +67,18 @@ PATHS = ("direct", "proxyd", "ours")  # the table's columns
 # -- the backend: epoll for small requests, a thread per connection for big bodies ----------
 
 
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to each, then wait (a kill after 5 s)."""
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def backend_main() -> None:
     serve_epoll(on_data)
 
@@ -399,14 +411,7 @@ def syscalls(n: int) -> str:
                 pids = {"proxy": proc.pid, "backend": backends[name].pid}
                 out[name] = count_syscalls(address[1], pids, n, Path(tmp))
     finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(procs)
     lines = [f"System calls per keep-alive request ({n} requests, strace -f -c):", ""]
     row = "{:<10}{:<22}{:>8}{:>8}"
     for role in ("proxy", "backend", "client"):
@@ -504,14 +509,7 @@ def run(quick: bool) -> str:
                 note("up", name, upload_mbs(address))
         memory = {name: hold_connections(paths[name], pids[name], HELD) for name in pids}
     finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(procs)
 
     # The best round of each: on a machine shared with other work, noise only ever adds
     # latency and CPU time (and takes throughput away), and a median of rounds still moved
