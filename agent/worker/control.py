@@ -117,6 +117,11 @@ class _Adopted:
     devices: list[tuple[str, str]] | None
 
 
+def _job_path(job: object) -> str:
+    """The path in a unit's Job= property, (id, path); "" where it has no job (id 0)."""
+    return str(job[1]) if isinstance(job, (list, tuple)) and len(job) == 2 and job[0] else ""
+
+
 def _rules(devices: DeviceRules | None) -> list[tuple[str, str]] | None:
     return None if devices is None else [(str(p), str(a)) for p, a in devices]
 
@@ -185,10 +190,8 @@ class SystemdWorker:
     async def _stop_job(self) -> str:
         """The path of the unit's stop job, "" where it has none (or the bus says nothing)."""
         try:
-            job = await self.systemd.get(self.unit, "Unit", "Job")
-            if not (isinstance(job, (list, tuple)) and len(job) == 2 and job[0]):
-                return ""
-            return str(job[1]) if await self.systemd.job_type(str(job[1])) == "stop" else ""
+            path = _job_path(await self.systemd.get(self.unit, "Unit", "Job"))
+            return path if path and await self.systemd.job_type(path) == "stop" else ""
         except Exception:
             return ""
 
@@ -403,9 +406,8 @@ class SystemdWorker:
             self.systemd.get(self.unit, "Unit", "Job"),
             self.systemd.get(self.unit, "Unit", "ActiveState"),
         )
-        ok = isinstance(job, (list, tuple)) and len(job) == 2
-        job_id, path = (job[0], str(job[1])) if ok else (0, "")
-        if job_id:
+        path = _job_path(job)
+        if path:
             kind = await self.systemd.job_type(path)
             if kind in ("start", "restart"):
                 return path  # followed, whatever the state read beside it said
