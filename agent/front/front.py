@@ -40,6 +40,7 @@ from agent.front.state import Action, Event, Mode, State, step
 from agent.front.status import Memory, ProviderStatus
 from agent.net import auth, counters
 from agent.net.answers import Answer
+from agent.net.deadlines import CLOCK_STEP_S
 from agent.net.http import RequestHead
 from agent.net.listeners import HttpListeners, Listeners
 from agent.net.proxy import FrontSite, Style, Unavailable, serve_tcp, too_many_waiting
@@ -58,7 +59,6 @@ FIRST_REQUEST_GRACE_S = 5.0
 # The "Serving: N in flight, M served" line changes with every request: systemd is told it
 # at most this often (each STATUS= is a datagram that wakes PID 1), the latest text last.
 STATUS_EVERY_S = 1.0
-_CLOCK_STEP_S = 0.001  # uvloop's clock counts whole milliseconds: a timer may fire one early
 
 Notify = Callable[[str], object]
 
@@ -330,7 +330,7 @@ class Front:
         """The idle timer: the deadline, unless it moved later meanwhile (it waits again)."""
         self._idle_timer = None
         loop = asyncio.get_running_loop()
-        if loop.time() < self._idle_at - _CLOCK_STEP_S:
+        if loop.time() < self._idle_at - CLOCK_STEP_S:
             self._idle_timer = loop.call_at(self._idle_at, self._idle_fired)
             return
         self._idle()
