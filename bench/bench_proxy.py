@@ -37,8 +37,9 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
+import native
 from common import (
     ROOT,
     Address,
@@ -180,6 +181,142 @@ def bare_main(backend_port: int) -> None:
     loop.run(main())
 
 
+def pyproto_main(backend_port: int) -> None:
+    """The same relay as native_protocol_main's, with the protocol in Python: an
+    asyncio.Protocol whose data_received writes to the peer transport. What the C type
+    saves over Python callbacks of the same shape."""
+    import asyncio
+
+    sys.path.insert(0, str(ROOT))
+    from agent.net import loop
+
+    class Side(asyncio.Protocol):
+        def __init__(self, on_made: Callable[[Side], None] | None = None) -> None:
+            self.on_made = on_made
+            self.transport: asyncio.Transport | None = None
+            self.peer: asyncio.Transport | None = None
+            self.held: list[bytes] = []
+            self.closed = False
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = cast(asyncio.Transport, transport)
+            if self.on_made is not None:
+                self.on_made(self)
+
+        def data_received(self, data: bytes) -> None:
+            if self.peer is None:
+                self.held.append(data)
+            else:
+                self.peer.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.closed = True
+            if self.peer is not None:
+                self.peer.close()
+
+        def pause_writing(self) -> None:
+            if self.peer is not None:
+                self.peer.pause_reading()
+
+        def resume_writing(self) -> None:
+            if self.peer is not None:
+                self.peer.resume_reading()
+
+        def set_peer(self, peer: asyncio.Transport) -> None:
+            if self.closed:
+                peer.close()
+                return
+            self.peer = peer
+            for data in self.held:
+                peer.write(data)
+            self.held.clear()
+
+    loop.run(protocol_relay(Side, backend_port))
+
+
+def native_protocol_main(backend_port: int) -> None:
+    """(a) The relay on uvloop with the protocol a C type (bench/native/relay.c, `Side`):
+    uvloop calls its data_received, which calls the peer transport's write; no Python
+    runs per request. The connection to the backend is made in Python, once per client
+    connection."""
+    sys.path.insert(0, str(ROOT))
+    from agent.net import loop
+
+    relay = load_native()
+    loop.run(protocol_relay(relay.Side, backend_port))
+
+
+async def protocol_relay(side: Callable[..., Any], backend_port: int) -> None:
+    """Serve fd 3 with side(on_made) per client connection; on_made connects to the
+    backend with side() and tells each side where the other's bytes go."""
+    import asyncio
+
+    running = asyncio.get_running_loop()
+
+    async def connect(client: Any) -> None:
+        up = side()
+        up.set_peer(client.transport)
+        try:
+            transport, _ = await running.create_connection(lambda: up, "127.0.0.1", backend_port)
+        except OSError:
+            client.transport.close()
+            return
+        client.set_peer(transport)
+
+    connecting: set[asyncio.Task[None]] = set()  # held until done: the loop's are weak
+
+    def on_made(client: Any) -> None:
+        task = running.create_task(connect(client))
+        connecting.add(task)
+        task.add_done_callback(connecting.discard)
+
+    sock = socket.socket(fileno=3)
+    sock.setblocking(False)
+    await running.create_server(lambda: side(on_made), sock=sock)
+    await asyncio.Event().wait()
+
+
+def native_thread_main(backend_port: int) -> None:
+    """(b) A relay in a native thread with its own epoll (bench/native/relay.c, `Relay`):
+    this thread accepts, connects to the backend and hands both fds to it; the native
+    thread relays until either side closes, then hands the pair back to be closed here.
+    No interpreter runs per request."""
+    relay = load_native().Relay()
+    listening = socket.socket(fileno=3)
+    sel = selectors.DefaultSelector()
+    sel.register(listening, selectors.EVENT_READ, "accept")
+    sel.register(relay.fileno(), selectors.EVENT_READ, "done")
+    pairs: dict[int, tuple[socket.socket, socket.socket]] = {}
+    while True:
+        for key, _ in sel.select():
+            if key.data == "accept":
+                client, _ = listening.accept()
+                try:
+                    up = socket.create_connection(("127.0.0.1", backend_port))
+                except OSError:
+                    client.close()
+                    continue
+                for s in (client, up):
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    s.setblocking(False)
+                pairs[client.fileno()] = (client, up)
+                relay.add(client.fileno(), up.fileno())
+            else:
+                for client_fd, _, _ in relay.finished():
+                    for s in pairs.pop(client_fd):
+                        s.close()
+
+
+def load_native() -> Any:
+    """The bench's C relays (bench/native), built by the run that spawned this role."""
+    import native
+
+    module, why = native.load()
+    if module is None:
+        raise SystemExit(f"bench_proxy: the native relays cannot be built: {why}")
+    return module
+
+
 # -- processes --------------------------------------------------------------------------
 
 
@@ -197,10 +334,17 @@ def wait_until_listening(address: Address) -> None:
 
 
 def cpu_s(pid: int) -> float:
-    """CPU time (user + system) a process has used so far: /proc/PID/schedstat (ns; both
-    proxies are one thread), else /proc/PID/stat (clock ticks)."""
+    """CPU time (user + system) a process's threads have used so far: the sum of
+    /proc/PID/task/*/schedstat (ns; the proxies' threads live as long as they do), else
+    /proc/PID/stat (clock ticks)."""
     try:
-        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) / 1e9
+        return (
+            sum(
+                int((task / "schedstat").read_text().split()[0])
+                for task in Path(f"/proc/{pid}/task").iterdir()
+            )
+            / 1e9
+        )
     except (OSError, ValueError, IndexError):
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -441,6 +585,12 @@ def syscalls(n: int) -> str:
 
 
 def run(quick: bool) -> str:
+    floor_names = list(PY_FLOORS)
+    _, skipped = native.load()
+    if not skipped:
+        floor_names += NATIVE_FLOORS
+    else:
+        print(f"bench_proxy: the native relays are left out: {skipped}", file=sys.stderr)
     rounds = 3 if quick else 15
     n_keep = 600 if quick else 2000  # per round
     n_new = 100 if quick else 300  # per round
@@ -465,16 +615,19 @@ def run(quick: bool) -> str:
             "ours": ours_sock.getsockname(),
         }
         pids = {"proxyd": procs[1].pid, "ours": procs[2].pid}
-        bare_sock = listener()
-        procs.append(
-            spawn_activated(
-                [sys.executable, __file__, "--role", "bare", "--backend-port", str(back_port)],
-                bare_sock,
+        floors: dict[str, tuple[Address, int]] = {}  # name → (address, pid)
+        floor_socks = []
+        for name in floor_names:
+            sock = listener()
+            floor_socks.append(sock)
+            procs.append(
+                spawn_activated(
+                    [sys.executable, __file__, "--role", name, "--backend-port", str(back_port)],
+                    sock,
+                )
             )
-        )
-        bare: Address = bare_sock.getsockname()
-        bare_pid = procs[-1].pid
-        for address in [*paths.values(), bare]:
+            floors[name] = (sock.getsockname(), procs[-1].pid)
+        for address in [*paths.values(), *(a for a, _ in floors.values())]:
             wait_until_listening(address)
 
         # One value per round and path; the table shows each one's best round.
@@ -484,7 +637,7 @@ def run(quick: bool) -> str:
         def note(metric: str, name: str, value: float) -> None:
             per_round.setdefault(metric, {}).setdefault(name, []).append(value)
 
-        for address in [*paths.values(), bare]:
+        for address in [*paths.values(), *(a for a, _ in floors.values())]:
             keep_alive_us(address, 300)  # warm up
             new_connection_us(address, 50)
         for _ in range(rounds):
@@ -497,12 +650,16 @@ def run(quick: bool) -> str:
                 for p in (50, 99):
                     note(f"keep p{p}", name, pct(keep, p))
                     note(f"new p{p}", name, pct(new, p))
-            before = cpu_s(bare_pid)  # the floor, keep-alive only
-            keep = keep_alive_us(bare, n_keep)
-            note("cpu", "bare", (cpu_s(bare_pid) - before) / n_keep * 1e6)
-            for p in (50, 99):
-                note(f"keep p{p}", "bare", pct(keep, p))
-        bare_sock.close()
+            for name, (address, pid) in floors.items():  # the floors
+                before = cpu_s(pid)
+                keep = keep_alive_us(address, n_keep)
+                note("cpu", name, (cpu_s(pid) - before) / n_keep * 1e6)
+                new = new_connection_us(address, n_new)
+                for p in (50, 99):
+                    note(f"keep p{p}", name, pct(keep, p))
+                    note(f"new p{p}", name, pct(new, p))
+        for sock in floor_socks:
+            sock.close()
         for _ in range(reps):
             for name, address in paths.items():
                 note("down", name, download_mbs(address))
@@ -521,10 +678,10 @@ def run(quick: bool) -> str:
     for metric in ("keep p50", "keep p99", "new p50", "new p99"):  # over direct's best
         best[f"{metric} added"] = {
             name: best[metric][name] - best[metric]["direct"]
-            for name in (*pids, "bare")
+            for name in (*pids, *floors)
             if name in best[metric]
         }
-    return table(best, memory, rounds, n_keep, n_new, reps)
+    return table(best, memory, rounds, n_keep, n_new, reps, list(floors), skipped)
 
 
 def table(
@@ -534,6 +691,8 @@ def table(
     n_keep: int,
     n_new: int,
     reps: int,
+    floors: list[str],
+    skipped: str,
 ) -> str:
     lines: list[str] = []
     add = lines.append
@@ -594,23 +753,48 @@ def table(
             "≤2048" + ok,
         )
     )
-    floor = {m: med[m]["bare"] for m in ("keep p50 added", "keep p99 added", "cpu")}
     add("")
-    add(
-        f"The floor, a relay on uvloop's buffered protocols that parses nothing (bare): adds "
-        f"{floor['keep p50 added']:.0f} µs at p50"
-    )
-    add(
-        f"({floor['keep p50 added'] / med['keep p50 added']['proxyd']:.2f}x proxyd's), "
-        f"{floor['keep p99 added']:.0f} µs at p99, CPU {floor['cpu']:.1f} µs per request "
-        f"({floor['cpu'] / med['cpu']['proxyd']:.2f}x proxyd's)."
-    )
+    lines.extend(floor_table(med, floors, skipped))
     add("")
     add("Targets (ours/proxyd): added keep-alive latency p50, p99 and a new connection ≤ 1.3x;")
     add("CPU per request ≤ 1.5x; throughput ≥ 1.0x both ways; ≤ 2 KiB per idle connection.")
     add("Memory is the proxy process's resident set growth (kernel socket buffers not included).")
     add("CPU is from /proc/<pid>/schedstat (ns), over each round's keep-alive requests.")
     return "\n".join(lines) + "\n"
+
+
+# The floors: relays that parse nothing, each a process like the proxies. Name → what it is.
+PY_FLOORS = {
+    "bare": "uvloop, Python BufferedProtocol",
+    "pyproto": "uvloop, Python Protocol (data_received)",
+}
+NATIVE_FLOORS = {
+    "native-protocol": "(a) uvloop, the Protocol a C type",
+    "native-thread": "(b) a C thread with its own epoll",
+}
+
+
+def floor_table(med: dict[str, dict[str, float]], floors: list[str], skipped: str) -> list[str]:
+    """The floors beside proxyd and ours: added latency and CPU per request (and each as a
+    ratio to proxyd's), from the same rounds."""
+    lines = ["The floors, relays that parse nothing (the same rounds, keep-alive unless new):"]
+    row = "{:<42}{:>6}{:>7}{:>6}{:>7}{:>7}{:>7}{:>6}{:>7}"
+    lines.append(
+        row.format("added µs, CPU µs per request", "p50", "", "p99", "", "new", "", "CPU", "")
+    )
+    names = dict(PY_FLOORS, **NATIVE_FLOORS, proxyd="systemd-socket-proxyd", ours="the front's")
+    for name in ("proxyd", *floors, "ours"):
+        cells = []
+        for metric in ("keep p50 added", "keep p99 added", "new p50 added", "cpu"):
+            v, ref = med[metric][name], med[metric]["proxyd"]
+            cells += [
+                f"{v:.1f}" if metric == "cpu" else f"{v:.0f}",
+                f"{v / ref:.2f}x" if ref > 0 else "",
+            ]
+        lines.append(row.format(f"{name}: {names[name]}"[:41], *cells))
+    if skipped:
+        lines.append(f"(the native relays are left out: {skipped})")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -620,7 +804,9 @@ def main(argv: list[str] | None = None) -> int:
         "--syscalls", type=int, nargs="?", const=2000, metavar="N", help="count system calls"
     )
     parser.add_argument(
-        "--role", choices=("backend", "ours", "bare", "client"), help=argparse.SUPPRESS
+        "--role",
+        choices=("backend", "ours", "client", *PY_FLOORS, *NATIVE_FLOORS),
+        help=argparse.SUPPRESS,
     )
     parser.add_argument("--backend-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -630,6 +816,9 @@ def main(argv: list[str] | None = None) -> int:
         "backend": backend_main,
         "ours": lambda: always_ready_front(args.backend_port),
         "bare": lambda: bare_main(args.backend_port),
+        "pyproto": lambda: pyproto_main(args.backend_port),
+        "native-protocol": lambda: native_protocol_main(args.backend_port),
+        "native-thread": lambda: native_thread_main(args.backend_port),
         "client": lambda: client_main(args.port),
     }
     if args.role:
