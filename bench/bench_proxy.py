@@ -26,6 +26,7 @@ the client, for proxyd and for ours, and prints them per request by name.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import platform
 import selectors
@@ -127,8 +128,6 @@ def bare_main(backend_port: int) -> None:
     core's, that parses nothing: each client connection gets its own connection to the
     backend, and what one side sends is written to the other. What a Python relay costs
     before any HTTP."""
-    import asyncio
-
     sys.path.insert(0, str(ROOT))
     from agent.net import loop
 
@@ -181,57 +180,97 @@ def bare_main(backend_port: int) -> None:
     loop.run(main())
 
 
+class PySide(asyncio.Protocol):
+    """One side of the Python relays: what it receives goes to the peer transport."""
+
+    def __init__(self, on_made: Callable[[PySide], None] | None = None) -> None:
+        self.on_made = on_made
+        self.transport: asyncio.Transport | None = None
+        self.peer: asyncio.Transport | None = None
+        self.held: list[bytes] = []
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's: no subclass
+        if self.on_made is not None:
+            self.on_made(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.peer is None:
+            self.held.append(data)
+        else:
+            self.peer.write(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.peer is not None:
+            self.peer.close()
+
+    def pause_writing(self) -> None:
+        if self.peer is not None:
+            self.peer.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.peer is not None:
+            self.peer.resume_reading()
+
+    def set_peer(self, peer: asyncio.Transport) -> None:
+        if self.closed:
+            peer.close()
+            return
+        self.peer = peer
+        for data in self.held:
+            peer.write(data)
+        self.held.clear()
+
+
 def pyproto_main(backend_port: int) -> None:
-    """The same relay as native_protocol_main's, with the protocol in Python: an
+    """The same relay as native_protocol_main's, with the protocol in Python (PySide): an
     asyncio.Protocol whose data_received writes to the peer transport. What the C type
     saves over Python callbacks of the same shape."""
-    import asyncio
-
     sys.path.insert(0, str(ROOT))
     from agent.net import loop
 
-    class Side(asyncio.Protocol):
-        def __init__(self, on_made: Callable[[Side], None] | None = None) -> None:
-            self.on_made = on_made
-            self.transport: asyncio.Transport | None = None
-            self.peer: asyncio.Transport | None = None
-            self.held: list[bytes] = []
-            self.closed = False
+    loop.run(protocol_relay(PySide, backend_port))
 
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.transport = cast(asyncio.Transport, transport)
-            if self.on_made is not None:
-                self.on_made(self)
 
-        def data_received(self, data: bytes) -> None:
-            if self.peer is None:
-                self.held.append(data)
+def native_lend_main(backend_port: int) -> None:
+    """(b) as the loop would use it: the transports are the loop's (PySide); once both
+    sides are connected, their reading is paused and their fds lent to the native thread,
+    which hands them back after each response it wrote to the client; the loop takes them
+    back (its reading resumed) and lends them again at once. What a lend and a hand-back
+    cost per request, over native-thread's relay."""
+    sys.path.insert(0, str(ROOT))
+    from agent.net import loop
+
+    relay = load_native().Relay()
+    lent: dict[int, tuple[asyncio.Transport, asyncio.Transport]] = {}
+
+    def fd(t: asyncio.Transport) -> int:
+        return int(t.get_extra_info("socket").fileno())
+
+    def lend(client: asyncio.Transport, up: asyncio.Transport) -> None:
+        client.pause_reading()
+        up.pause_reading()
+        lent[fd(client)] = (client, up)
+        relay.add(fd(client), fd(up), True)
+
+    def handed_back() -> None:
+        for client_fd, _, reason in relay.finished():
+            client, up = lent.pop(client_fd)
+            client.resume_reading()
+            up.resume_reading()
+            if reason == "lent back":
+                lend(client, up)
             else:
-                self.peer.write(data)
+                client.close()
+                up.close()
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            self.closed = True
-            if self.peer is not None:
-                self.peer.close()
+    async def main() -> None:
+        asyncio.get_running_loop().add_reader(relay.fileno(), handed_back)
+        await protocol_relay(PySide, backend_port, on_peered=lend)
 
-        def pause_writing(self) -> None:
-            if self.peer is not None:
-                self.peer.pause_reading()
-
-        def resume_writing(self) -> None:
-            if self.peer is not None:
-                self.peer.resume_reading()
-
-        def set_peer(self, peer: asyncio.Transport) -> None:
-            if self.closed:
-                peer.close()
-                return
-            self.peer = peer
-            for data in self.held:
-                peer.write(data)
-            self.held.clear()
-
-    loop.run(protocol_relay(Side, backend_port))
+    loop.run(main())
 
 
 def native_protocol_main(backend_port: int) -> None:
@@ -246,11 +285,14 @@ def native_protocol_main(backend_port: int) -> None:
     loop.run(protocol_relay(relay.Side, backend_port))
 
 
-async def protocol_relay(side: Callable[..., Any], backend_port: int) -> None:
+async def protocol_relay(
+    side: Callable[..., Any],
+    backend_port: int,
+    on_peered: Callable[[Any, Any], None] | None = None,
+) -> None:
     """Serve fd 3 with side(on_made) per client connection; on_made connects to the
-    backend with side() and tells each side where the other's bytes go."""
-    import asyncio
-
+    backend with side() and tells each side where the other's bytes go; then
+    on_peered(client transport, upstream transport)."""
     running = asyncio.get_running_loop()
 
     async def connect(client: Any) -> None:
@@ -262,6 +304,8 @@ async def protocol_relay(side: Callable[..., Any], backend_port: int) -> None:
             client.transport.close()
             return
         client.set_peer(transport)
+        if on_peered is not None and not client.closed:
+            on_peered(client.transport, transport)
 
     connecting: set[asyncio.Task[None]] = set()  # held until done: the loop's are weak
 
@@ -771,6 +815,7 @@ PY_FLOORS = {
 NATIVE_FLOORS = {
     "native-protocol": "(a) uvloop, the Protocol a C type",
     "native-thread": "(b) a C thread with its own epoll",
+    "native-lend": "(b) lent by the loop, back per response",
 }
 
 
@@ -819,6 +864,7 @@ def main(argv: list[str] | None = None) -> int:
         "pyproto": lambda: pyproto_main(args.backend_port),
         "native-protocol": lambda: native_protocol_main(args.backend_port),
         "native-thread": lambda: native_thread_main(args.backend_port),
+        "native-lend": lambda: native_lend_main(args.backend_port),
         "client": lambda: client_main(args.port),
     }
     if args.role:

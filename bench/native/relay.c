@@ -9,7 +9,10 @@
  * wake-up; what a write does not take waits and pauses the reading side) until either
  * side closes or fails, then hands the pair back: fileno() becomes readable and
  * finished() returns (client_fd, upstream_fd, reason) for each pair handed back. The
- * fds are the caller's to close. The thread never takes the GIL. */
+ * fds are the caller's to close. add(client_fd, upstream_fd, True) hands the pair back
+ * ("lent back") as soon as what came from the upstream is all written to the client: what
+ * lending a connection to native code and taking it back costs. The thread never takes
+ * the GIL. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -151,6 +154,7 @@ static PyMethodDef Side_methods[] = {
 
 static PyMemberDef Side_members[] = {
     {"transport", T_OBJECT, offsetof(Side, transport), READONLY, NULL},
+    {"closed", T_INT, offsetof(Side, closed), READONLY, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -188,6 +192,7 @@ struct end {
 
 struct pair {
     struct end end[2];
+    int once;             /* handed back after each response byte run written to the client */
     const char *reason;   /* why it was handed back, once it is */
     struct pair *next;
 };
@@ -275,6 +280,10 @@ static void *relay_thread(void *arg) {
                     finish(p, e->idx ? "client closed" : "upstream closed", &batch, r->epfd);
                     continue;
                 }
+                if (f > 0 && p->once && e->idx == 0) {
+                    finish(p, "lent back", &batch, r->epfd);
+                    continue;
+                }
                 want(r, e);
                 want(r, to);
             }
@@ -323,6 +332,8 @@ static void *relay_thread(void *arg) {
                     to->pend_off = 0;
                     want(r, to);
                     want(r, e);
+                } else if (p->once && to->idx == 0) {
+                    finish(p, "lent back", &batch, r->epfd);
                 }
             }
         }
@@ -374,14 +385,15 @@ static int Relay_init(Relay *self, PyObject *args, PyObject *kwds) {
 }
 
 static PyObject *Relay_add(Relay *self, PyObject *args) {
-    int cfd, ufd;
-    if (!PyArg_ParseTuple(args, "ii", &cfd, &ufd)) return NULL;
+    int cfd, ufd, once = 0;
+    if (!PyArg_ParseTuple(args, "ii|p", &cfd, &ufd, &once)) return NULL;
     if (!self->running) {
         PyErr_SetString(PyExc_ValueError, "the relay is closed");
         return NULL;
     }
     struct pair *p = calloc(1, sizeof *p);
     if (p == NULL) return PyErr_NoMemory();
+    p->once = once;
     int fds[2] = {cfd, ufd};
     for (int i = 0; i < 2; i++) {
         p->end[i].fd = fds[i];
@@ -466,7 +478,8 @@ static void Relay_dealloc(Relay *self) {
 }
 
 static PyMethodDef Relay_methods[] = {
-    {"add", (PyCFunction)Relay_add, METH_VARARGS, "add(client_fd, upstream_fd): relay them"},
+    {"add", (PyCFunction)Relay_add, METH_VARARGS,
+     "add(client_fd, upstream_fd, once=False): relay them (once: until a response is out)"},
     {"finished", (PyCFunction)Relay_finished, METH_NOARGS,
      "the pairs handed back since the last call: [(client_fd, upstream_fd, reason)]"},
     {"fileno", (PyCFunction)Relay_fileno, METH_NOARGS, "readable when a pair was handed back"},
