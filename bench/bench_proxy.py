@@ -12,8 +12,9 @@ Prints, side by side: latency p50/p99 of small requests (keep-alive, and a new
 connection per request) and the latency each proxy adds over direct; the CPU time each
 proxy spends per keep-alive request (its own process, kernel included); throughput of a
 100 MiB body in each direction; resident memory per idle keep-alive connection while
-1,000 are held; and the floor: a relay on uvloop that parses nothing, its added
-keep-alive latency and CPU per request. Writes the table to bench/results/proxy.txt.
+1,000 are held; and the floors: relays that parse nothing (on uvloop with Python
+protocols, with a protocol in C, and a C thread with its own epoll, bench/native), their
+added latency and CPU per request. Writes the table to bench/results/proxy.txt.
 
     python3 bench/bench_proxy.py [--quick]
     python3 bench/bench_proxy.py --syscalls [N]   # system calls per keep-alive request
