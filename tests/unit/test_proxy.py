@@ -1505,10 +1505,13 @@ def test_a_worker_that_refuses_for_a_moment_is_retried_while_it_runs() -> None:
 
 
 def test_requests_beyond_max_concurrency_wait_their_turn_in_order() -> None:
-    """Deterministic: each request is leased before the next is sent, and the worker answers
-    one request at a time, each only once the previous answer's slot has gone to the next
-    request (two slots freed in one turn would send two requests on two connections at
-    once, which the worker may read in either order)."""
+    """Deterministic: arrival order is made, not hoped for. The first two requests take the
+    two slots at once and go to the worker on two connections, which the worker may read in
+    either order (each connect and each connection's first read race the other's): so each
+    is sent only once the worker has the one before. Each later one is sent only once the
+    one before waits in the front's queue. The worker answers one request at a time, each
+    only once the previous answer's slot has gone to the next request (two slots freed in
+    one turn would send two requests on two connections at once)."""
     order: list[bytes] = []
     open_now = [0]
     peak = [0]
@@ -1543,8 +1546,10 @@ def test_requests_beyond_max_concurrency_wait_their_turn_in_order() -> None:
                 client = await px.connect()
                 await client.send(b"GET /%d HTTP/1.1\r\nHost: t\r\n\r\n" % i)
                 clients.append(client)
-                await until(lambda i=i: len(backend.leases) > i)  # arrival order
-            await until(lambda: len(order) == 2)
+                if i < 2:
+                    await until(lambda i=i: len(order) == i + 1)  # it is at the worker
+                else:
+                    await until(lambda i=i: backend.upstream.waiting == i - 1)  # it waits
             for k in range(10):
                 answer.release()
                 await until(lambda k=k: len(order) == min(10, k + 3))  # the next one went
