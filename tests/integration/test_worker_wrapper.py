@@ -439,7 +439,11 @@ def worker() -> Iterator[Callable[..., tuple[subprocess.Popen[str], int]]]:
             [PY, MISBEHAVE, "--port", str(port), *args], stderr=subprocess.PIPE, text=True
         )
         procs.append(proc)
-        if "--unix" not in args:
+        if "--unix" in args:
+            # The path appears at bind(), a moment before listen(): wait for a connection.
+            path = args[args.index("--unix") + 1]
+            wait_until("misbehave listening", lambda: unix_accepts(path) or proc.poll() is not None)
+        else:
             wait_until("misbehave listening", lambda: accepts(port) or proc.poll() is not None)
         return proc, port
 
@@ -453,6 +457,12 @@ def worker() -> Iterator[Callable[..., tuple[subprocess.Popen[str], int]]]:
 
 
 Worker = Callable[..., tuple[subprocess.Popen[str], int]]
+
+
+def unix_accepts(path: str) -> bool:
+    """Something accepts connections on the unix socket `path`."""
+    with socket.socket(socket.AF_UNIX) as s:
+        return s.connect_ex(path) == 0
 
 
 def rss_kb(pid: int) -> int:
@@ -509,8 +519,7 @@ def test_misbehave_memory(worker: Worker) -> None:
 
 def test_misbehave_on_a_unix_socket(worker: Worker, tmp_path: Path) -> None:
     path = tmp_path / "w.sock"
-    worker("--unix", str(path))
-    wait_until("unix socket", path.exists)
+    worker("--unix", str(path))  # returns once the socket accepts
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(str(path))
         s.sendall(b"GET /pid HTTP/1.1\r\nHost: x\r\n\r\n")
