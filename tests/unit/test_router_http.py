@@ -388,8 +388,10 @@ def test_refusals_are_openai_errors_and_the_connection_goes_on(
 
 
 def test_refusals_are_logged_at_info_with_the_name_escaped(
-    two: RunningRouter, caplog: pytest.LogCaptureFixture
+    two: RunningRouter, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A fresh rate limit: the 404s that tests before this one caused do not count.
+    monkeypatch.setattr(router_module, "refusals", router_module.RateLog(router_module.log))
     caplog.set_level(logging.DEBUG, logger="providerd.router")
     c = Client(two.port)
     c.send(post('evil"\n\x1b[31m'))
