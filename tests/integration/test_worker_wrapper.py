@@ -214,9 +214,12 @@ def test_notify_listening_is_not_ready(wrapper: Start) -> None:
     port = free_port()
     run = wrapper("--slug", "q", "--ready", "notify", *misbehave(), port=port)
     wait_until("model listening", lambda: accepts(port))
-    time.sleep(0.3)
+    wait_until(
+        "the loading status",
+        lambda: "STATUS=Loading (probe: waiting for READY=1)" in run.notes.lines(),
+    )
+    time.sleep(0.3)  # listening, and a while after: still no READY=1
     assert not run.notes.ready.is_set()
-    assert "STATUS=Loading (probe: waiting for READY=1)" in run.notes.lines()
 
 
 def test_tcp_model_gets_no_notify_socket(wrapper: Start) -> None:
