@@ -116,6 +116,10 @@ class FrontSite:
         self.gate_hook: Gate | None = getattr(backend, "request_gate", None)
         self.strips_keys: Callable[[], bool] | None = getattr(backend, "strips_keys", None)
         self.ready_now: Callable[[], Target | None] | None = getattr(backend, "ready_now", None)
+        # Places in the slot queue taken when a request arrived (the worker ready, no slot
+        # free), by exchange: a request whose head comes later in the same turn of the loop
+        # goes behind it, though its task has not run yet.
+        self.queued: dict[Exchange, asyncio.Future[None]] = {}
 
     @property
     def request_timeout_s(self) -> float:
@@ -158,7 +162,11 @@ class FrontSite:
         if self.ready_now is None:
             return None
         target = self.ready_now()
-        if target is None or not self.backend.upstream.try_acquire():
+        if target is None:
+            return None
+        place = self.backend.upstream.join(self.backend.waiting_for_start())  # QueueFull
+        if place is not None:
+            self.queued[ex] = place  # target() waits on it
             return None
         ex.slot = True
         return target
@@ -166,8 +174,12 @@ class FrontSite:
     async def target(self, ex: Exchange) -> Target:
         backend = self.backend
         may_start = getattr(ex.lease, "may_start", True)  # False: its key may not start it
-        await backend.ready(may_start)
-        await backend.upstream.acquire(backend.waiting_for_start())
+        place = self.queued.pop(ex, None)
+        if place is not None:
+            await backend.upstream.wait(place)
+        else:
+            await backend.ready(may_start)
+            await backend.upstream.acquire(backend.waiting_for_start())
         ex.slot = True
         # The worker may have been replaced while this request waited for its slot.
         return await backend.ready(may_start)
@@ -227,6 +239,9 @@ class FrontSite:
         """The request is over (or became a tunnel): keep its connection if it can serve
         another request, and pass the slot on."""
         upstream = self.backend.upstream
+        place = self.queued.pop(ex, None)
+        if place is not None:  # it ended before it waited for its place
+            upstream.leave(place)
         if up is not None:
             if ex.slot and up.usable():
                 upstream.keep(up, up.generation)

@@ -83,15 +83,36 @@ class Upstream:
         """Wait for a slot, after everyone who waited before. Raises QueueFull when
         `also_waiting` (waiting elsewhere, for the start) plus those waiting here already
         reach `max_waiting`. Cancellation leaves the queue."""
+        fut = self.join(also_waiting)
+        if fut is not None:
+            await self.wait(fut)
+
+    def join(self, also_waiting: int = 0) -> asyncio.Future[None] | None:
+        """acquire()'s first half, at once: None (a slot now), or the place in the queue to
+        `wait()` on, or to `leave()` unawaited. Raises QueueFull as acquire() does."""
         if self.in_use < self.limit and not self._waiters:
             self.in_use += 1
-            return
+            return None
         if len(self._waiters) + also_waiting >= self.max_waiting:
             if self.on_full is not None:
                 self.on_full()
             raise QueueFull()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
+        return fut
+
+    def leave(self, fut: asyncio.Future[None]) -> None:
+        """Give up a place from join() that was never waited on (its slot passes on if it
+        was granted already)."""
+        if fut.done() and not fut.cancelled():
+            self.release()
+        elif fut in self._waiters:
+            self._waiters.remove(fut)
+            fut.cancel()
+
+    async def wait(self, fut: asyncio.Future[None]) -> None:
+        """Wait on a place from join() until its slot is granted. Cancellation leaves the
+        queue (or passes on a slot granted in the same turn)."""
         try:
             await fut
         except BaseException:

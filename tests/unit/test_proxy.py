@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import tempfile
 from collections.abc import Awaitable, Callable, Coroutine
@@ -1562,6 +1563,66 @@ def test_requests_beyond_max_concurrency_wait_their_turn_in_order() -> None:
     run(test)
     assert peak[0] == 2
     assert order == [b"/%d" % i for i in range(10)]
+
+
+class ReadyBackend(FakeBackend):
+    """With the front's fast path: the worker's target at once while the gate is open."""
+
+    def ready_now(self) -> tuple[Address, int] | None:
+        return (self.address, self.generation) if self.gate.is_set() else None
+
+
+def test_a_request_that_finds_no_slot_is_not_overtaken_by_one_that_arrives_in_the_same_turn() -> (
+    None
+):
+    """Regression: with the worker ready and its one slot taken, A's head, the end of the
+    answer that held the slot and C's head came in one turn of the loop; A's place in the
+    queue was to be taken by its task, which had not run yet, so C found the slot free and
+    went first. Deterministic: the three are written to the kernel with no await between,
+    so one poll of the loop returns them in that order."""
+    order: list[bytes] = []
+    writers: list[asyncio.StreamWriter] = []
+
+    async def holding(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head, _ = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            order.append(head.split(b" ")[1])
+            writers.append(writer)  # answered by the test
+
+    async def until(check: Callable[[], bool]) -> None:
+        async with asyncio.timeout(2):
+            while not check():
+                await asyncio.sleep(0.001)
+
+    async def test() -> None:
+        async with Setup(holding) as (worker, _, px):
+            backend = px.backend = ReadyBackend(worker.address)
+            backend.upstream = Upstream(limit=1, max_waiting=100)
+            x = await px.connect()
+            await x.send(b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n")
+            await until(lambda: len(writers) == 1)  # X holds the slot
+            a, c = await px.connect(), await px.connect()
+            await until(lambda: len(px.tasks) == 3)
+            await asyncio.sleep(0.01)  # both connections are being read
+            a.sock.send(b"GET /a HTTP/1.1\r\nHost: t\r\n\r\n")
+            os.write(writers[0].get_extra_info("socket").fileno(), ok())  # X's slot frees
+            c.sock.send(b"GET /c HTTP/1.1\r\nHost: t\r\n\r\n")
+            await until(lambda: len(order) == 2)
+            writers[1].write(ok())
+            await until(lambda: len(order) == 3)
+            writers[2].write(ok())
+            for client in (x, a, c):
+                assert (await client.response())[0] == 200
+                client.close()
+            await px.settle()
+            assert backend.upstream.in_use == 0 and backend.upstream.waiting == 0
+            assert backend.active == 0
+
+    run(test)
+    assert order == [b"/x", b"/a", b"/c"]
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,9 @@ import asyncio
 import pytest
 
 from agent.net import upstream
+from agent.net.site import FrontSite
 from agent.net.upstream import QueueFull, Upstream
+from agent.spec.provider import Address
 
 
 def test_slots_pass_on_in_arrival_order_and_the_queue_is_bounded() -> None:
@@ -52,6 +54,62 @@ def test_a_slot_granted_to_a_waiter_cancelled_in_the_same_turn_passes_on() -> No
         return up.in_use
 
     assert asyncio.run(go()) == 1
+
+
+def test_a_place_taken_at_once_keeps_its_turn_and_leaving_it_passes_the_slot_on() -> None:
+    """join() queues at once (no task, no await): a later join() or acquire() goes behind
+    it. leave() of a place never waited on: ungranted, it goes; granted, its slot passes on."""
+
+    async def go() -> None:
+        up = Upstream(limit=1, max_waiting=10)
+        assert up.join() is None and up.in_use == 1  # a slot at once
+        first, second, third = up.join(), up.join(), up.join()
+        assert first is not None and second is not None and third is not None
+        assert up.waiting == 3
+        up.leave(second)  # never granted: it leaves the queue
+        assert up.waiting == 2 and second.cancelled()
+        up.release()  # the slot goes to the first in line
+        assert first.done() and not third.done()
+        up.leave(first)  # granted, never used: passed on to the next
+        assert third.done() and up.in_use == 1 and up.waiting == 0
+        await up.wait(third)  # granted already: returns at once
+        up.release()
+        assert up.in_use == 0
+
+    asyncio.run(go())
+
+
+def test_a_front_request_that_ends_before_it_waited_for_its_place_leaves_it() -> None:
+    """The front's site takes a place in the queue when a request arrives with the worker
+    ready and no slot free; an exchange that ends before its task waited on the place (its
+    client gone in the same turn) gives the place back when its slot is released."""
+
+    class Backend:
+        def __init__(self) -> None:
+            self.upstream = Upstream(limit=1, max_waiting=10)
+
+        def ready_now(self) -> tuple[Address, int]:
+            return Address("127.0.0.1", 1), 1
+
+        def waiting_for_start(self) -> int:
+            return 0
+
+    class Ex:
+        slot = False
+
+    async def go() -> None:
+        backend = Backend()
+        site = FrontSite(backend)
+        holder, late = Ex(), Ex()
+        assert site.target_now(holder) is not None and holder.slot
+        assert site.target_now(late) is None
+        assert backend.upstream.waiting == 1 and late in site.queued
+        site.release_slot(late, None)
+        assert backend.upstream.waiting == 0 and not site.queued
+        site.release_slot(holder, None)
+        assert backend.upstream.in_use == 0
+
+    asyncio.run(go())
 
 
 def test_kept_connections_are_reused_only_for_their_generation_and_while_fresh(
