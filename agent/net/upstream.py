@@ -72,13 +72,6 @@ class Upstream:
     def waiting(self) -> int:
         return len(self._waiters)
 
-    def try_acquire(self) -> bool:
-        """A slot now if one is free and nobody waits for one; else False (wait in acquire)."""
-        if self.in_use < self.limit and not self._waiters:
-            self.in_use += 1
-            return True
-        return False
-
     async def acquire(self, also_waiting: int = 0) -> None:
         """Wait for a slot, after everyone who waited before. Raises QueueFull when
         `also_waiting` (waiting elsewhere, for the start) plus those waiting here already
