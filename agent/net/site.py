@@ -239,9 +239,10 @@ class FrontSite:
         """The request is over (or became a tunnel): keep its connection if it can serve
         another request, and pass the slot on."""
         upstream = self.backend.upstream
-        place = self.queued.pop(ex, None)
-        if place is not None:  # it ended before it waited for its place
-            upstream.leave(place)
+        if self.queued:  # (an empty dict: a request that found its slot free)
+            place = self.queued.pop(ex, None)
+            if place is not None:  # it ended before it waited for its place
+                upstream.leave(place)
         if up is not None:
             if ex.slot and up.usable():
                 upstream.keep(up, up.generation)
