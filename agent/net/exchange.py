@@ -37,7 +37,10 @@ log = logging.getLogger(__name__)
 
 # Methods whose request may be sent again on a new connection when a kept one turns out closed.
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
-HELD_MAX = BUFFER_SIZE  # body bytes held while the upstream connection is not there yet
+# The request (head and body) read ahead while its upstream connection is not there yet
+# (a start, a slot, a connect); then the front stops reading until it is. One more read, of
+# at most sockio.HEAD_SIZE (a held body is read in head-sized buffers), may come first.
+HELD_MAX = 4 * 1024
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
@@ -127,7 +130,8 @@ class Exchange(Streaming):
                 body_end = conn.end
                 self.body_left = req.length - have
                 self.consumed = False
-                self.bulk_body = self.body_left > BUFFER_SIZE
+                # Large buffers once it goes on to the upstream (attach), or while collected.
+                self.bulk_body = self.collects and self.body_left > BUFFER_SIZE
         elif req.body == "chunked":
             self.scanner = ChunkedScanner(strict=True)
             at = self.scanner.scan(buf, head_end, conn.end)  # HttpError: the caller answers
@@ -166,6 +170,7 @@ class Exchange(Streaming):
         if target is not None:
             self.go(target)
         elif not self.over:
+            self.hold()
             self.spawn(self.wait_target())
 
     def refuse(self, e: Exception) -> None:
@@ -206,6 +211,7 @@ class Exchange(Streaming):
         if up is not None:
             self.attach(up, reused=True)
         else:
+            self.hold()
             self.spawn(self.connect())
 
     async def connect(self) -> None:
@@ -229,16 +235,17 @@ class Exchange(Streaming):
     def attach(self, up: UpstreamConn, reused: bool) -> None:
         self.up, self.reused = up, reused
         self.attempt += 1
+        self.bulk_body = self.body_left > BUFFER_SIZE
         up.begin(self, self.req.method, self.data)
         if not self.keep_data:
             self.data = bytearray()
+        conn = self.conn
+        if conn.paused & 4:  # before the deadline: the body's limit runs while it is read
+            conn.pause(4, False)
         self.body_last = self.last = self.loop.time()  # arm(), inline
-        self.conn.deadline(self.due(), "request")
+        conn.deadline(self.due(), "request")
         if self.body_left >= splice.SPLICE_MIN:
             self.splice_request()
-        conn = self.conn
-        if conn.paused & 4:
-            conn.pause(4, False)
         if conn.write_paused and up.transport is not None:
             up.transport.pause_reading()
         if self.up_shut or (conn.eof and self.consumed):
@@ -405,6 +412,8 @@ class Exchange(Streaming):
 
     def pause_client(self, on: bool) -> None:
         self.conn.pause(2, on)
+        if not on:
+            self.reading()
 
     # -- the end
 

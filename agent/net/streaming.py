@@ -2,8 +2,10 @@
 the tunnel it becomes after a `101` (or a 2xx to CONNECT).
 
 `request_timeout_s` is an inactivity limit: to the first byte of the response and between
-any two bytes either way (504 before the response began, a cut after). A body that sends
-nothing for sockio.BODY_TIMEOUT_S gets 408. Both ride on the connection's one deadline
+any two bytes either way (504 before the response began, a cut after), from the moment the
+request reached the upstream. A body that sends nothing for sockio.BODY_TIMEOUT_S gets 408,
+also while the request is held (waiting for a start, a slot or a connection), except while
+the front itself stopped reading it (NOT_READING). Both ride on the connection's one deadline
 (ClientConn.deadline, on the loop's queue: agent.net.deadlines), moved lazily: pushed again
 about once per limit, not per request or byte.
 
@@ -24,13 +26,18 @@ from typing import TYPE_CHECKING
 
 from agent.net import sockio, splice
 from agent.net.answers import Answer, answers
-from agent.net.client import PAUSE_SPLICE, ClientConn
+from agent.net.client import PAUSE_SPLICE, PAUSE_UPSTREAM, PAUSE_WAIT, ClientConn
 from agent.net.sockio import error_text
 from agent.net.splice import Pump
 from agent.net.upconn import UpstreamConn, UpstreamGone
 
 if TYPE_CHECKING:
     from agent.net.contract import Site
+
+
+# The front stopped reading the client on its own (a held request's read-ahead is full, the
+# upstream does not take the body as fast as it comes): the body's limit does not run.
+NOT_READING = PAUSE_WAIT | PAUSE_UPSTREAM
 
 
 class Streaming:
@@ -46,6 +53,8 @@ class Streaming:
     last: float
     body_last: float
     body_left: int
+    collects: bool  # the site reads the whole body before it picks the target
+    attempt: int  # times the request went to an upstream connection (0: not yet)
     pump_in: Pump | None  # client → upstream: the request body, or a tunnel's way up
     no_splice: bool  # a pump could not be made for this exchange: no more tries
     pump_out: Pump | None  # upstream → client: the response body, or a tunnel's way down
@@ -75,12 +84,30 @@ class Streaming:
         self.conn.deadline(self.due(), "request")
 
     def due(self) -> float | None:
+        """The next time limit: the response's (request_timeout_s) once the request reached
+        the upstream (or while a site collects its body), and the body's while it still
+        comes and the front reads it."""
         limit = self.site.request_timeout_s
-        due = self.last + limit if limit > 0 else None
-        if not self.consumed:
+        due = self.last + limit if limit > 0 and (self.attempt or self.collects) else None
+        if not self.consumed and not self.conn.paused & NOT_READING:
             body_due = self.body_last + sockio.BODY_TIMEOUT_S
             due = body_due if due is None else min(due, body_due)
         return due
+
+    def hold(self) -> None:
+        """The request waits for its target or its upstream connection (a start, a slot, a
+        connect): its body's inactivity limit runs meanwhile, as it does once the request
+        reached the upstream (nginx's client_body_timeout); the response's does not yet."""
+        if not self.consumed:
+            self.body_last = self.conn.loop.time()
+            self.conn.deadline(self.due(), "request")
+
+    def reading(self) -> None:
+        """The front reads the client again after stopping on its own: the body's limit
+        counts from now (a client blocked by the front's back-pressure is not idle)."""
+        if not self.consumed and not self.over:
+            self.body_last = self.conn.loop.time()
+            self.conn.deadline(self.due(), "request")
 
     def disarm(self) -> None:
         if self.conn.due_kind == "request":
@@ -91,7 +118,11 @@ class Streaming:
         if self.over:
             return
         now = self.conn.loop.time()
-        if not self.consumed and now >= self.body_last + sockio.BODY_TIMEOUT_S:
+        if (
+            not self.consumed
+            and now >= self.body_last + sockio.BODY_TIMEOUT_S
+            and not self.conn.paused & NOT_READING
+        ):
             self.drop_up()
             if self.started:
                 self.end(keep_client=False, cut=True)
@@ -102,7 +133,7 @@ class Streaming:
                 )
             return
         limit = self.site.request_timeout_s
-        if limit > 0 and now >= self.last + limit:
+        if limit > 0 and now >= self.last + limit and (self.attempt or self.collects):
             self.drop_up()
             what = f"no response from the {self.site.peer} for {limit:g} s (request_timeout_s)"
             if self.started:

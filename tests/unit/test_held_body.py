@@ -1,0 +1,145 @@
+"""A request held while its target is not there yet (a cold start, a full max_concurrency)
+whose body is still to come: the body's inactivity limit (sockio.BODY_TIMEOUT_S) runs while
+it is held, as once it reaches the worker; the front reads ahead at most exchange.HELD_MAX
+of it, and a client blocked only because the front stopped reading is not timed out.
+
+The front is test_proxy's FakeBackend: its `gate` is the activation (cleared: the worker
+is starting)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+
+import pytest
+
+from agent.net import exchange, sockio
+from agent.net.exchange import Exchange
+from tests.unit.test_proxy import FakeBackend, Setup, echo_worker, run
+
+
+async def held(backend: FakeBackend, n: int = 1) -> None:
+    async with asyncio.timeout(2):
+        while backend.waiting < n:
+            await asyncio.sleep(0.005)
+
+
+def exchanges() -> list[Exchange]:
+    return [o for o in gc.get_objects() if isinstance(o, Exchange) and not o.over]
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n123",
+        b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+    ],
+    ids=["part-of-the-body", "head-only", "chunked"],
+)
+def test_a_held_request_whose_body_stops_coming_gets_408_and_stops_waiting(
+    monkeypatch: pytest.MonkeyPatch, request_bytes: bytes
+) -> None:
+    monkeypatch.setattr(sockio, "BODY_TIMEOUT_S", 0.3)
+
+    async def test() -> None:
+        async with Setup(echo_worker) as (worker, backend, px):
+            backend.gate.clear()  # the worker is starting, and stays so
+            client = await px.connect()
+            await client.send(request_bytes)
+            await held(backend)
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            async with asyncio.timeout(3):
+                status, headers, body = await client.response()
+            assert status == 408 and headers["connection"] == "close"
+            assert json.loads(body)["error"] == "request_timeout"
+            assert 0.25 <= loop.time() - began < 2.5
+            assert await client.eof()
+            # It waits no more: its lease is back and it no longer counts as waiting.
+            assert backend.active == 0 and backend.waiting == 0 and backend.ready_cancelled == 1
+            assert worker.connections == 0
+            client.close()
+            await px.settle()
+
+    run(test)
+
+
+def test_a_held_body_that_keeps_coming_is_not_timed_out_and_arrives_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sockio, "BODY_TIMEOUT_S", 0.5)
+
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+            backend.gate.clear()
+            client = await px.connect()
+            await client.send(b"POST /slow HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\n")
+            await held(backend)
+            for i in range(10):  # 1 s in all, twice the limit; a byte every 0.1 s
+                await asyncio.sleep(0.1)
+                await client.send(b"%d" % i)
+            await asyncio.sleep(0.8)  # whole and still held: no body limit any more
+            backend.gate.set()
+            assert await client.response() == (
+                200,
+                {"content-length": "21"},
+                b"POST /slow 0123456789",
+            )
+            client.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
+
+
+def test_a_held_client_blocked_by_the_fronts_own_back_pressure_is_not_timed_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sockio, "BODY_TIMEOUT_S", 0.3)
+    size = 4 * 1024 * 1024  # more than the kernel's buffers take: the client is blocked
+
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+            backend.gate.clear()
+            client = await px.connect()
+            body = bytes(range(256)) * (size // 256)
+            head = b"POST /big HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % size
+            sending = asyncio.create_task(client.send(head + body))
+            await held(backend)
+            await asyncio.sleep(1.0)  # three times the limit, the front not reading
+            assert not sending.done()  # blocked: the front stopped reading
+            (ex,) = exchanges()
+            # Read ahead: at most HELD_MAX of the request, and one read (a head-sized buffer).
+            assert 0 < len(ex.data) <= exchange.HELD_MAX + sockio.HEAD_SIZE
+            assert ex.conn.paused and not ex.over
+            backend.gate.set()
+            status, _, echoed = await client.response()
+            assert status == 200 and echoed == b"POST /big " + body
+            await sending
+            client.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
+
+
+def test_a_held_request_with_its_whole_body_waits_past_the_body_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sockio, "BODY_TIMEOUT_S", 0.2)
+
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+            backend.gate.clear()
+            client = await px.connect()
+            await client.send(b"POST /w HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\nok")
+            await held(backend)
+            await asyncio.sleep(0.6)
+            backend.gate.set()
+            assert (await client.response())[2] == b"POST /w ok"
+            client.close()
+            await px.settle()
+
+    run(test)
