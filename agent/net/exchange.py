@@ -181,6 +181,13 @@ class Exchange(Streaming):
         else:
             self.answer(answer)
 
+    def hold(self) -> None:
+        """The request waits for its target or its connection: what came with the head may
+        already fill the read-ahead."""
+        if not self.consumed and len(self.data) >= HELD_MAX:
+            self.conn.pause(4, True)
+        super().hold()
+
     def task_ended(self, e: BaseException) -> None:
         """The exchange's task did not get what it waited for: cancelled (the exchange
         ends), or an error (answered as a refusal; either way the lease goes back)."""
@@ -290,7 +297,7 @@ class Exchange(Streaming):
                 elif self.consumed:
                     self.disarm()
                     self.begin_target()
-            elif len(self.data) > HELD_MAX:
+            elif len(self.data) >= HELD_MAX:
                 self.conn.pause(4, True)
         return used
 
