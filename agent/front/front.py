@@ -38,7 +38,7 @@ from agent.front.gate import Gate
 from agent.front.hooks import Admission
 from agent.front.state import Action, Event, Mode, State, step
 from agent.front.status import Memory, ProviderStatus
-from agent.net import auth, counters
+from agent.net import auth, counters, deadlines
 from agent.net.answers import Answer
 from agent.net.deadlines import CLOCK_STEP_S
 from agent.net.http import RequestHead
@@ -142,20 +142,24 @@ class _Worker:
 class _TcpConnection(_Worker):
     """One TCP connection's Backend, with its first-request grace: until its lease (at most
     FIRST_REQUEST_GRACE_S), it keeps an idle exit from closing it; it does not restart the
-    idle timer."""
+    idle timer. The grace is a deadline on the loop's queue (agent.net.deadlines)."""
 
     def __init__(self, front: Front) -> None:
         super().__init__(front)
         front._fresh(+1)
-        self.timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
-            FIRST_REQUEST_GRACE_S, self.end_grace
-        )
+        loop = asyncio.get_running_loop()
+        self.deadlines = deadlines.of(loop)
+        self.queued: deadlines.Entry | None = None
+        self.due: float | None = loop.time() + FIRST_REQUEST_GRACE_S
+        self.deadlines.arm(self, self.due)
 
     def end_grace(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        if self.due is not None:
+            self.due = None
+            self.deadlines.drop(self)
             self.front._fresh(-1)
+
+    expire = end_grace  # the grace ran out
 
     def lease(self, path: str | None) -> _Lease:
         lease = self.front.lease(path)
