@@ -97,9 +97,12 @@ class Streaming:
     def hold(self) -> None:
         """The request waits for its target or its upstream connection (a start, a slot, a
         connect): its body's inactivity limit runs meanwhile, as it does once the request
-        reached the upstream (nginx's client_body_timeout); the response's does not yet."""
+        reached the upstream (nginx's client_body_timeout); the response's does not yet.
+        It runs from the head, or from the body's last byte once one came (a connect after
+        a start does not restart it)."""
         if not self.consumed:
-            self.body_last = self.conn.loop.time()
+            if not self.body_last:
+                self.body_last = self.conn.loop.time()
             self.conn.deadline(self.due(), "request")
 
     def reading(self) -> None:
