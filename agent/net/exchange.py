@@ -184,8 +184,12 @@ class Exchange(Streaming):
     def hold(self) -> None:
         """The request waits for its target or its connection: what came with the head may
         already fill the read-ahead."""
-        if not self.consumed and len(self.data) >= HELD_MAX:
+        if self.consumed:
+            return
+        if len(self.data) >= HELD_MAX:
             self.conn.pause(4, True)
+        if self.req.expect_continue and len(self.data) == self.head_len and not self.continued:
+            return  # it waits for `100 Continue` to send its body: timed from its first byte
         super().hold()
 
     def task_ended(self, e: BaseException) -> None:
@@ -297,8 +301,11 @@ class Exchange(Streaming):
                 elif self.consumed:
                     self.disarm()
                     self.begin_target()
-            elif len(self.data) >= HELD_MAX:
-                self.conn.pause(4, True)
+            else:
+                if len(self.data) >= HELD_MAX:
+                    self.conn.pause(4, True)
+                if self.conn.due_kind != "request" and not self.over:
+                    Streaming.hold(self)  # a body begun without `100 Continue`: timed now
         return used
 
     # -- the response (UpstreamConn's callbacks)

@@ -143,3 +143,35 @@ def test_a_held_request_with_its_whole_body_waits_past_the_body_limit(
             await px.settle()
 
     run(test)
+
+
+def test_a_held_request_that_waits_for_100_continue_is_timed_from_its_first_body_byte(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing asked it for its body yet: it is not idle. Once it sends some anyway (curl
+    does after a second), the body's limit runs."""
+    monkeypatch.setattr(sockio, "BODY_TIMEOUT_S", 0.3)
+    head = b"POST /e HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n"
+
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+            backend.gate.clear()
+            waits = await px.connect()
+            await waits.send(head)
+            stalls = await px.connect()
+            await stalls.send(head)
+            await held(backend, 2)
+            await asyncio.sleep(0.6)  # twice the limit, waiting for `100 Continue`
+            await stalls.send(b"ab")  # then half its body, and nothing more
+            status, _, _ = await stalls.response()
+            assert status == 408
+            await waits.send(b"body")
+            backend.gate.set()
+            status, _, body = await waits.response()
+            assert (status, body) == (200, b"POST /e body")
+            for client in (waits, stalls):
+                client.close()
+            await px.settle()
+            assert backend.active == 0
+
+    run(test)
