@@ -250,13 +250,14 @@ class Exchange(Streaming):
         up.begin(self, self.req.method, self.data)
         if not self.keep_data:
             self.data = bytearray()
-        conn = self.conn
-        if conn.paused & 4:  # before the deadline: the body's limit runs while it is read
-            conn.pause(4, False)
         self.body_last = self.last = self.loop.time()  # arm(), inline
-        conn.deadline(self.due(), "request")
+        self.conn.deadline(self.due(), "request")
         if self.body_left >= splice.SPLICE_MIN:
             self.splice_request()
+        conn = self.conn
+        if conn.paused & 4:  # the held read-ahead was full: reading again, and timed
+            conn.pause(4, False)
+            conn.deadline(self.due(), "request")
         if conn.write_paused and up.transport is not None:
             up.transport.pause_reading()
         if self.up_shut or (conn.eof and self.consumed):
