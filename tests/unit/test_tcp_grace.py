@@ -21,7 +21,8 @@ def test_a_tcp_connections_grace_is_a_deadline_on_the_loops_queue(
 
     async def go() -> None:
         loop = asyncio.get_running_loop()
-        front = Front(provider(protocol="tcp"), InProcessWorker(), [listener()], exit_on_idle=True)
+        sock = listener()
+        front = Front(provider(protocol="tcp"), InProcessWorker(), [sock], exit_on_idle=True)
         queue = deadlines.of(loop)
         timers = len(loop._scheduled)  # type: ignore[attr-defined]
         conns = [_TcpConnection(front) for _ in range(100)]
@@ -41,7 +42,7 @@ def test_a_tcp_connections_grace_is_a_deadline_on_the_loops_queue(
         for conn in conns:
             conn.end_grace()  # after the grace: nothing counted twice
         assert front.fresh == 0
-        front.stop_accepting()
+        sock.close()
 
     # asyncio's own loop: its scheduled timers can be counted.
     with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
