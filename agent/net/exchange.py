@@ -25,7 +25,7 @@ from typing import Any
 from agent.errors import ProviderdError
 from agent.net import splice
 from agent.net.answers import Answer, made_up
-from agent.net.client import ClientConn
+from agent.net.client import PAUSE_UPSTREAM, PAUSE_WAIT, ClientConn
 from agent.net.contract import Lease, Site, Target
 from agent.net.http import ChunkedScanner, HttpError, RequestHead, ResponseHead, error_response
 from agent.net.sockio import BUFFER_SIZE, error_text
@@ -187,7 +187,7 @@ class Exchange(Streaming):
         if self.consumed:
             return
         if len(self.data) >= HELD_MAX:
-            self.conn.pause(4, True)
+            self.conn.pause(PAUSE_WAIT, True)
         if self.req.expect_continue and len(self.data) == self.head_len and not self.continued:
             return  # it waits for `100 Continue` to send its body: timed from its first byte
         super().hold()
@@ -255,8 +255,8 @@ class Exchange(Streaming):
         if self.body_left >= splice.SPLICE_MIN:
             self.splice_request()
         conn = self.conn
-        if conn.paused & 4:  # the held read-ahead was full: reading again, and timed
-            conn.pause(4, False)
+        if conn.paused & PAUSE_WAIT:  # the held read-ahead was full: reading again, and timed
+            conn.pause(PAUSE_WAIT, False)
             conn.deadline(self.due(), "request")
         if conn.write_paused and up.transport is not None:
             up.transport.pause_reading()
@@ -304,7 +304,7 @@ class Exchange(Streaming):
                     self.begin_target()
             else:
                 if len(self.data) >= HELD_MAX:
-                    self.conn.pause(4, True)
+                    self.conn.pause(PAUSE_WAIT, True)
                 if self.conn.due_kind != "request" and not self.over:
                     Streaming.hold(self)  # a body begun without `100 Continue`: timed now
         return used
@@ -426,7 +426,7 @@ class Exchange(Streaming):
                 up.transport.resume_reading()
 
     def pause_client(self, on: bool) -> None:
-        self.conn.pause(2, on)
+        self.conn.pause(PAUSE_UPSTREAM, on)
         if not on:
             self.reading()
 
