@@ -250,14 +250,12 @@ class Exchange(Streaming):
         up.begin(self, self.req.method, self.data)
         if not self.keep_data:
             self.data = bytearray()
+        conn = self.conn
+        conn.pause(PAUSE_WAIT, False)  # the held read-ahead was full: reading again, and timed
         self.body_last = self.last = self.loop.time()  # arm(), inline
-        self.conn.deadline(self.due(), "request")
+        conn.deadline(self.due(), "request")
         if self.body_left >= splice.SPLICE_MIN:
             self.splice_request()
-        conn = self.conn
-        if conn.paused & PAUSE_WAIT:  # the held read-ahead was full: reading again, and timed
-            conn.pause(PAUSE_WAIT, False)
-            conn.deadline(self.due(), "request")
         if conn.write_paused and up.transport is not None:
             up.transport.pause_reading()
         if self.up_shut or (conn.eof and self.consumed):

@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+from typing import Any
 
 import pytest
 
 from agent.net import exchange, sockio
+from agent.net.client import PAUSE_WAIT, ClientConn
 from agent.net.exchange import Exchange
 from tests.unit.test_proxy import FakeBackend, Setup, echo_worker, run
 
@@ -173,5 +175,55 @@ def test_a_held_request_that_waits_for_100_continue_is_timed_from_its_first_body
                 client.close()
             await px.settle()
             assert backend.active == 0
+
+    run(test)
+
+
+def test_a_held_request_whose_read_ahead_was_full_gets_one_deadline_as_it_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading again and the body's limit, in one step: not first the response's (set
+    while the read-ahead's pause still stops the body's) and then the body's."""
+    size = 4 * 1024 * 1024
+    calls: list[tuple[float | None, float]] = []  # (due, what the limits make due then)
+    attaching: list[Exchange] = []
+    attach, deadline = Exchange.attach, ClientConn.deadline
+
+    def attach_spy(self: Exchange, up: Any, reused: bool) -> None:
+        attaching.append(self)
+        try:
+            attach(self, up, reused)
+        finally:
+            attaching.pop()
+
+    def deadline_spy(self: ClientConn, due: float | None, kind: str) -> None:
+        if attaching and attaching[-1].conn is self:
+            ex = attaching[-1]
+            limit = ex.site.request_timeout_s
+            calls.append((due, min(ex.last + limit, ex.body_last + sockio.BODY_TIMEOUT_S)))
+        deadline(self, due, kind)
+
+    monkeypatch.setattr(Exchange, "attach", attach_spy)
+    monkeypatch.setattr(ClientConn, "deadline", deadline_spy)
+
+    async def test() -> None:
+        async with Setup(echo_worker) as (_, backend, px):
+            backend.gate.clear()
+            client = await px.connect()
+            body = bytes(range(256)) * (size // 256)
+            head = b"POST /big HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % size
+            sending = asyncio.create_task(client.send(head + body))
+            await held(backend)
+            await asyncio.sleep(0.2)
+            (ex,) = exchanges()
+            assert ex.conn.paused & PAUSE_WAIT  # the read-ahead is full
+            backend.gate.set()
+            status, _, echoed = await client.response()
+            assert status == 200 and echoed == b"POST /big " + body
+            (call,) = calls  # one deadline: the earlier of the two limits
+            assert call[0] == call[1]
+            await sending
+            client.close()
+            await px.settle()
 
     run(test)
