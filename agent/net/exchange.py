@@ -301,7 +301,7 @@ class Exchange(Streaming):
                     self.disarm()
                     self.begin_target()
             else:
-                if len(self.data) >= HELD_MAX:
+                if len(self.data) >= HELD_MAX and not self.consumed:
                     self.conn.pause(PAUSE_WAIT, True)
                 if self.conn.due_kind != "request" and not self.over:
                     Streaming.hold(self)  # a body begun without `100 Continue`: timed now

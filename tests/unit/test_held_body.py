@@ -227,3 +227,31 @@ def test_a_held_request_whose_read_ahead_was_full_gets_one_deadline_as_it_goes_o
             await px.settle()
 
     run(test)
+
+
+def test_a_held_request_completed_past_the_read_ahead_is_still_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The read that completes a request of HELD_MAX or more does not stop the front
+    reading: the client's leaving is seen while it is held (it stops waiting)."""
+    size = exchange.HELD_MAX - 10  # with the head: past HELD_MAX, the body in one read
+
+    async def test() -> None:
+        async with Setup(echo_worker) as (worker, backend, px):
+            backend.gate.clear()
+            client = await px.connect()
+            await client.send(b"POST /b HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % size)
+            await held(backend)
+            await client.send(b"x" * size)  # the whole body, in a read after the head's
+            await asyncio.sleep(0.1)
+            (ex,) = exchanges()
+            assert ex.consumed and not ex.conn.paused
+            client.close()  # the client leaves: the request waits no more
+            async with asyncio.timeout(2):
+                while backend.waiting:
+                    await asyncio.sleep(0.01)
+            assert backend.ready_cancelled == 1 and backend.active == 0
+            assert worker.connections == 0
+            await px.settle()
+
+    run(test)
