@@ -182,15 +182,22 @@ class Exchange(Streaming):
             self.answer(answer)
 
     def hold(self) -> None:
-        """The request waits for its target or its connection: what came with the head may
-        already fill the read-ahead."""
+        """The request waits for its target or its upstream connection (a start, a slot, a
+        connect), or more of its body came meanwhile: the front reads ahead at most HELD_MAX
+        of it, and the body's inactivity limit runs, as it does once the request reached the
+        upstream (nginx's client_body_timeout; the response's limit does not run yet). It
+        runs from the head, or from the body's last byte once one came (a connect after a
+        start does not restart it); not while the client waits for `100 Continue` to send
+        its body (timed from its first byte)."""
         if self.consumed:
             return
         if len(self.data) >= HELD_MAX:
             self.conn.pause(PAUSE_WAIT, True)
         if self.req.expect_continue and len(self.data) == self.head_len and not self.continued:
-            return  # it waits for `100 Continue` to send its body: timed from its first byte
-        super().hold()
+            return
+        if not self.body_last:
+            self.body_last = self.loop.time()
+        self.conn.deadline(self.due(), "request")
 
     def task_ended(self, e: BaseException) -> None:
         """The exchange's task did not get what it waited for: cancelled (the exchange
@@ -300,11 +307,8 @@ class Exchange(Streaming):
                 elif self.consumed:
                     self.disarm()
                     self.begin_target()
-            else:
-                if len(self.data) >= HELD_MAX and not self.consumed:
-                    self.conn.pause(PAUSE_WAIT, True)
-                if self.conn.due_kind != "request" and not self.over:
-                    Streaming.hold(self)  # a body begun without `100 Continue`: timed now
+            elif len(self.data) >= HELD_MAX or self.conn.due_kind != "request":
+                self.hold()  # the read-ahead is full, or a body begun without `100 Continue`
         return used
 
     # -- the response (UpstreamConn's callbacks)

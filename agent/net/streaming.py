@@ -94,17 +94,6 @@ class Streaming:
             due = body_due if due is None else min(due, body_due)
         return due
 
-    def hold(self) -> None:
-        """The request waits for its target or its upstream connection (a start, a slot, a
-        connect): its body's inactivity limit runs meanwhile, as it does once the request
-        reached the upstream (nginx's client_body_timeout); the response's does not yet.
-        It runs from the head, or from the body's last byte once one came (a connect after
-        a start does not restart it)."""
-        if not self.consumed:
-            if not self.body_last:
-                self.body_last = self.conn.loop.time()
-            self.conn.deadline(self.due(), "request")
-
     def reading(self) -> None:
         """The front reads the client again after stopping on its own: the body's limit
         counts from now (a client blocked by the front's back-pressure is not idle)."""
