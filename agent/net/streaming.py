@@ -7,7 +7,8 @@ request reached the upstream. A body that sends nothing for sockio.BODY_TIMEOUT_
 also while the request is held (waiting for a start, a slot or a connection), except while
 the front itself stopped reading it (NOT_READING). Both ride on the connection's one deadline
 (ClientConn.deadline, on the loop's queue: agent.net.deadlines), moved lazily: pushed again
-about once per limit, not per request or byte.
+about once per limit, not per request or byte. A spliced body's limit does not run out
+while its pump waits for the upstream (the pipe full, or the body all taken).
 
 A tunnel keeps its lease until both sides have closed; each side's EOF is passed on.
 
@@ -110,6 +111,9 @@ class Streaming:
         if self.over:
             return
         now = self.conn.loop.time()
+        pump = self.pump_in
+        if pump is not None and not pump.reading and not self.consumed:
+            self.body_last = now  # a spliced body waits for the upstream to take the pipe's
         if (
             not self.consumed
             and now >= self.body_last + sockio.BODY_TIMEOUT_S
@@ -223,8 +227,11 @@ class Streaming:
         self.pump_in = self.pump_out = None
 
     def pump_moved(self, pump: Pump, taken: bool) -> None:
+        """Bytes came from the source (taken), or went to a destination that had stopped
+        the pump reading: for a request body, either is the client's progress (a client
+        the upstream holds up is not idle, as on the normal path: reading())."""
         self.last = self.conn.loop.time()
-        if taken and pump.role == REQUEST:
+        if pump.role == REQUEST:
             self.body_last = self.last
 
     def pump_end(self, pump: Pump) -> None:

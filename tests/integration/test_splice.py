@@ -579,6 +579,71 @@ def test_the_body_timeout_fires_while_a_spliced_body_stalls(
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
+@pytest.mark.parametrize("worker_reads", ["stalls", "slowly"])
+def test_a_client_blocked_only_by_a_slow_worker_is_not_timed_out_while_its_body_is_spliced(
+    monkeypatch: pytest.MonkeyPatch, worker_reads: str
+) -> None:
+    """The body's limit is the client's: a worker that stops reading for several limits
+    (stalls), or that reads so slowly that the pipe still holds the body's end long after
+    the client sent it all (slowly), costs the client nothing; the body arrives whole. The
+    normal path does the same (PAUSE_UPSTREAM)."""
+    from agent.net import sockio
+    from agent.spec.provider import Address
+
+    limit = 0.4
+    monkeypatch.setattr(sockio, "BODY_TIMEOUT_S", limit)
+    size = 8 * MIB  # past the front's send buffer (4 MiB at most here) and the pipe
+    data = pattern(size)
+
+    async def worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            _, length = await read_head(reader)
+            digest, got, stalled, t0 = hashlib.sha256(), 0, False, time.monotonic()
+            while got < length:
+                chunk = await reader.read(min(length - got, 64 * 1024))
+                if not chunk:
+                    return
+                digest.update(chunk)
+                got += len(chunk)
+                if worker_reads == "stalls" and got >= MIB and not stalled:
+                    stalled = True
+                    await asyncio.sleep(3 * limit)
+                elif worker_reads == "slowly":  # 1.6 MiB/s: the pipe alone takes 0.6 s
+                    ahead = got / (1.6 * MIB) - (time.monotonic() - t0)
+                    if ahead > 0:
+                        await asyncio.sleep(ahead)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 64\r\n\r\n")
+            writer.write(digest.hexdigest().encode())
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)  # no autotuning
+        listener.bind(("127.0.0.1", 0))
+        server = await asyncio.start_server(worker, sock=listener)
+        leases = Leases()
+        front = await spliced_front(Address("127.0.0.1", listener.getsockname()[1]), leases)
+        reader, writer = await asyncio.open_connection("127.0.0.1", front.getsockname()[1])
+        try:
+            writer.write(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % size)
+            writer.write(data)
+            head, length = await asyncio.wait_for(read_head(reader), 20)
+            answer = await reader.readexactly(length)
+            assert head.startswith(b"HTTP/1.1 200 "), head + answer
+            assert answer == hashlib.sha256(data).hexdigest().encode()
+            assert leases.given == leases.released == 1
+        finally:
+            writer.transport.abort()
+            await close_front(front)
+            server.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
 def test_a_slow_but_steady_reader_of_a_spliced_body_is_not_cut_by_request_timeout() -> None:
     """request_timeout_s is between bytes either way: a reader taking a spliced body at
     1 MiB/s with a 0.5 s limit gets all of it (the pipe alone holds 1 MiB)."""
