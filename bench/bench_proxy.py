@@ -235,6 +235,14 @@ def pyproto_main(backend_port: int) -> None:
     loop.run(protocol_relay(PySide, backend_port))
 
 
+def against_main(backend_port: int, tree: str) -> None:
+    """`ours` with the agent package of another source tree (`--against`: an A/B)."""
+    import common
+
+    common.ROOT = Path(tree).resolve()
+    always_ready_front(backend_port)
+
+
 def native_lend_main(backend_port: int) -> None:
     """(b) as the loop would use it: the transports are the loop's (PySide); once both
     sides are connected, their reading is paused and their fds lent to the native thread,
@@ -290,10 +298,11 @@ async def protocol_relay(
     side: Callable[..., Any],
     backend_port: int,
     on_peered: Callable[[Any, Any], None] | None = None,
+    listening: socket.socket | None = None,
 ) -> None:
-    """Serve fd 3 with side(on_made) per client connection; on_made connects to the
-    backend with side() and tells each side where the other's bytes go; then
-    on_peered(client transport, upstream transport)."""
+    """Serve fd 3 (or `listening`) with side(on_made) per client connection; on_made
+    connects to the backend with side() and tells each side where the other's bytes go;
+    then on_peered(client transport, upstream transport)."""
     running = asyncio.get_running_loop()
 
     async def connect(client: Any) -> None:
@@ -315,7 +324,7 @@ async def protocol_relay(
         connecting.add(task)
         task.add_done_callback(connecting.discard)
 
-    sock = socket.socket(fileno=3)
+    sock = listening or socket.socket(fileno=3)
     sock.setblocking(False)
     await running.create_server(lambda: side(on_made), sock=sock)
     await asyncio.Event().wait()
@@ -629,13 +638,17 @@ def syscalls(n: int) -> str:
 # -- the run ------------------------------------------------------------------------------
 
 
-def run(quick: bool) -> str:
-    floor_names = list(PY_FLOORS)
-    _, skipped = native.load()
-    if not skipped:
-        floor_names += NATIVE_FLOORS
-    else:
-        print(f"bench_proxy: the native relays are left out: {skipped}", file=sys.stderr)
+def run(quick: bool, against: str | None = None, floors_too: bool = True) -> str:
+    floor_names = list(PY_FLOORS) if floors_too else []
+    skipped = ""
+    if floors_too:
+        _, skipped = native.load()
+        if not skipped:
+            floor_names += NATIVE_FLOORS
+        else:
+            print(f"bench_proxy: the native relays are left out: {skipped}", file=sys.stderr)
+    if against is not None:
+        floor_names.append("against")
     rounds = 3 if quick else 15
     n_keep = 600 if quick else 2000  # per round
     n_new = 100 if quick else 300  # per round
@@ -665,12 +678,10 @@ def run(quick: bool) -> str:
         for name in floor_names:
             sock = listener()
             floor_socks.append(sock)
-            procs.append(
-                spawn_activated(
-                    [sys.executable, __file__, "--role", name, "--backend-port", str(back_port)],
-                    sock,
-                )
-            )
+            argv = [sys.executable, __file__, "--role", name, "--backend-port", str(back_port)]
+            if name == "against":
+                argv += ["--tree", str(against)]
+            procs.append(spawn_activated(argv, sock))
             floors[name] = (sock.getsockname(), procs[-1].pid)
         for address in [*paths.values(), *(a for a, _ in floors.values())]:
             wait_until_listening(address)
@@ -726,7 +737,7 @@ def run(quick: bool) -> str:
             for name in (*pids, *floors)
             if name in best[metric]
         }
-    return table(best, memory, rounds, n_keep, n_new, reps, list(floors), skipped)
+    return table(best, memory, rounds, n_keep, n_new, reps, list(floors), skipped, against)
 
 
 def table(
@@ -738,6 +749,7 @@ def table(
     reps: int,
     floors: list[str],
     skipped: str,
+    against: str | None = None,
 ) -> str:
     lines: list[str] = []
     add = lines.append
@@ -799,7 +811,7 @@ def table(
         )
     )
     add("")
-    lines.extend(floor_table(med, floors, skipped))
+    lines.extend(floor_table(med, floors, skipped, against))
     add("")
     add("Targets (ours/proxyd): added keep-alive latency p50, p99 and a new connection ≤ 1.3x;")
     add("CPU per request ≤ 1.5x; throughput ≥ 1.0x both ways; ≤ 2 KiB per idle connection.")
@@ -820,7 +832,9 @@ NATIVE_FLOORS = {
 }
 
 
-def floor_table(med: dict[str, dict[str, float]], floors: list[str], skipped: str) -> list[str]:
+def floor_table(
+    med: dict[str, dict[str, float]], floors: list[str], skipped: str, against: str | None = None
+) -> list[str]:
     """The floors beside proxyd and ours: added latency and CPU per request (and each as a
     ratio to proxyd's), from the same rounds."""
     lines = ["The floors, relays that parse nothing (the same rounds, keep-alive unless new):"]
@@ -829,6 +843,7 @@ def floor_table(med: dict[str, dict[str, float]], floors: list[str], skipped: st
         row.format("added µs, CPU µs per request", "p50", "", "p99", "", "new", "", "CPU", "")
     )
     names = dict(PY_FLOORS, **NATIVE_FLOORS, proxyd="systemd-socket-proxyd", ours="the front's")
+    names["against"] = f"the front's, from {against}"
     for name in ("proxyd", *floors, "ours"):
         cells = []
         for metric in ("keep p50 added", "keep p99 added", "new p50 added", "cpu"):
@@ -851,11 +866,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--role",
-        choices=("backend", "ours", "client", *PY_FLOORS, *NATIVE_FLOORS),
+        choices=("backend", "ours", "client", "against", *PY_FLOORS, *NATIVE_FLOORS),
         help=argparse.SUPPRESS,
     )
     parser.add_argument("--backend-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--against",
+        metavar="TREE",
+        help="also the front's data path from another source tree (an A/B in the same rounds; "
+        "prints only)",
+    )
+    parser.add_argument(
+        "--no-floors", action="store_true", help="leave the floors out (with --against: faster)"
+    )
+    parser.add_argument("--tree", help=argparse.SUPPRESS)
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "proxy.txt"))
     args = parser.parse_args(argv)
     roles: dict[str, Callable[[], None]] = {
@@ -867,6 +892,7 @@ def main(argv: list[str] | None = None) -> int:
         "native-thread": lambda: native_thread_main(args.backend_port),
         "native-lend": lambda: native_lend_main(args.backend_port),
         "client": lambda: client_main(args.port),
+        "against": lambda: against_main(args.backend_port, args.tree),
     }
     if args.role:
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -878,9 +904,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.syscalls:
         print(syscalls(args.syscalls))
         return 0
-    text = run(args.quick)
+    text = run(args.quick, args.against, not args.no_floors)
     print(text, end="")
-    if not args.quick:
+    if not args.quick and not args.against and not args.no_floors:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(text)
     return 0
