@@ -155,10 +155,16 @@ class Exchange(Streaming):
         except Exception as e:
             self.refuse(e)
             return
-        if self.collects and not self.consumed:
-            self.arm()  # the body timeout, while the body is read
-            self.site.collecting(self)
-            return
+        if self.collects:
+            # What came with the head may already be over the limit (a chunked body: its
+            # length is known only as it arrives); the rest is checked as it comes.
+            if len(self.data) - self.head_len > self.site.max_body:
+                self.answer(self.site.too_large(), close=True)
+                return
+            if not self.consumed:
+                self.arm()  # the body timeout, while the body is read
+                self.site.collecting(self)
+                return
         self.begin_target()
 
     def begin_target(self) -> None:

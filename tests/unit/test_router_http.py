@@ -307,6 +307,24 @@ def test_a_chunked_body_over_the_limit_is_413(
     assert alpha.connections == 0
 
 
+def test_a_whole_chunked_body_over_the_limit_that_came_with_its_head_is_413(
+    start: Callable[..., RunningRouter], alpha: FakeProvider
+) -> None:
+    # Head and whole body (last chunk included) in one segment: the body is complete as
+    # the head is parsed, so no later read would check it against the limit.
+    r = start(alpha.provider(names=("a-1",)), max_body=1024)
+    c = Client(r.port)
+    body = b'{"model": "a-1", "prompt": "' + b"x" * 2000 + b'"}'
+    c.send(
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    )
+    status, _, answer = c.response()
+    assert status == 413
+    assert error(answer)["code"] == "request_too_large"
+    assert alpha.connections == 0
+
+
 def test_pipelined_requests_are_answered_in_order(
     two: RunningRouter, alpha: FakeProvider, beta: FakeProvider
 ) -> None:
