@@ -427,6 +427,7 @@ def _start(unit: str, devices: list[tuple[str, str]] | None) -> tuple[str, bool]
     the device rules were set."""
     from agent.systemd.syncbus import (
         PROPERTIES,
+        START_MODE,
         BusError,
         SyncBus,
         Variant,
@@ -454,7 +455,7 @@ def _start(unit: str, devices: list[tuple[str, str]] | None) -> tuple[str, bool]
                 bus.call(SD, SD_PATH, SD + ".Manager", "SetUnitProperties", "sba(sv)", args)
                 changed = True
         try:
-            (job,) = bus.call(SD, SD_PATH, SD + ".Manager", "StartUnit", "ss", (unit, "replace"))
+            (job,) = bus.call(SD, SD_PATH, SD + ".Manager", "StartUnit", "ss", (unit, START_MODE))
         except BusError as e:
             if e.name:  # PID 1 (or polkit) answered no
                 raise

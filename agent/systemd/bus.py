@@ -8,6 +8,14 @@ The races this guards against (research/systemd.md §7):
   results of jobs nobody waits for yet are kept until someone asks.
 - A unit nobody pins is garbage-collected: always `LoadUnit`, never `GetUnit`.
 - Signals only flow after `Subscribe()`.
+- A StartUnit from the front (user providerd) waits for polkit before PID 1 takes it, for
+  hundreds of milliseconds on a busy host: a stop asked for meanwhile must not be undone by
+  it. Starts go out in job mode "fail" (`START_MODE`): one that would reverse a stop job
+  queued or running (the worker's, or the front's pulled in by the worker's BindsTo=) is
+  refused (`REFUSED`) instead of replacing it. A call's answer is followed apart from its
+  job's end (`answered`): a stop of ours goes out once every start sent before it is
+  answered, so PID 1 takes them in that order, and a front leaving waits for them while
+  its own stop job is still installed.
 - A start asked for before this connection existed (`agent.systemd.syncbus`, by the
   front's early start) is followed, not asked for again (`follow`): its `JobRemoved` may
   have gone out before `Subscribe()`, and then the unit's state tells how it ended.
@@ -19,10 +27,20 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from agent.systemd.syncbus import START_MODE
+
 SD = "org.freedesktop.systemd1"
 SD_PATH = "/org/freedesktop/systemd1"
 
 StateCallback = Callable[[str, str], None]  # (ActiveState, SubState)
+
+# PID 1's error for such a start ("Transaction ... is destructive"), and `start_unit`'s
+# result for it: the unit is being stopped.
+UNDOES_A_STOP = SD + ".TransactionIsDestructive"
+REFUSED = "refused"
+# How long a stop waits for the answers to the starts sent before it (polkit's own checks
+# end well within it; D-Bus's default method timeout is 25 s).
+ANSWERS_BEFORE_STOP_S = 25.0
 
 # What providerd calls, as introspection data: PID 1's own introspection of the manager and
 # of a unit is tens of kilobytes of XML, and fetching and parsing it took 10-20 ms of the
@@ -52,7 +70,14 @@ UNIT_XML = """<node><interface name="org.freedesktop.DBus.Properties">
 
 class Systemd(Protocol):
     async def start_unit(self, name: str) -> str:
-        """Start `name` ("replace" mode) and wait for its job: "done", "failed", "timeout", …"""
+        """Start `name` (`START_MODE`) and wait for its job: "done", "failed", "timeout", …;
+        `REFUSED` where PID 1 refused it for a stop job it would have undone."""
+        ...
+
+    async def answered(self, timeout_s: float) -> bool:
+        """Wait until every StartUnit sent on this connection is answered (its job queued,
+        or refused), at most `timeout_s`: whether they all are. A caller's cancel does not
+        take the call back, so one cancelled meanwhile is waited for too."""
         ...
 
     async def follow(self, name: str, job: str) -> str:
@@ -92,6 +117,7 @@ class DbusSystemd:
         self._finished: dict[str, str] = {}
         self._units: dict[str, Any] = {}  # name -> proxy object
         self._unit_node: Any = None  # UNIT_XML, parsed once
+        self._unanswered: set[asyncio.Future[Any]] = set()  # StartUnit calls sent
 
     async def connect(self) -> None:
         from dbus_next.aio.message_bus import MessageBus
@@ -137,9 +163,28 @@ class DbusSystemd:
         return unit
 
     async def start_unit(self, name: str) -> str:
-        # By name: PID 1 loads the unit itself, no LoadUnit round trip first.
-        job = await self._manager.call_start_unit(name, "replace")
+        from dbus_next.errors import DBusError
+
+        # By name: PID 1 loads the unit itself, no LoadUnit round trip first. The call is
+        # its own task: a cancel of this caller leaves it to be answered (`answered`).
+        call = asyncio.ensure_future(self._manager.call_start_unit(name, START_MODE))
+        self._unanswered.add(call)
+        call.add_done_callback(_answer_seen)
+        call.add_done_callback(self._unanswered.discard)
+        try:
+            job = await asyncio.shield(call)
+        except DBusError as e:
+            if e.type == UNDOES_A_STOP:
+                return REFUSED
+            raise
         return await self._wait_job(job)
+
+    async def answered(self, timeout_s: float) -> bool:
+        pending = set(self._unanswered)
+        if not pending:
+            return True
+        _done, left = await asyncio.wait(pending, timeout=max(0.0, timeout_s))
+        return not left
 
     async def follow(self, name: str, job: str) -> str:
         """The result of a job this connection did not ask for. Its JobRemoved counts from
@@ -164,6 +209,7 @@ class DbusSystemd:
 
     async def stop_unit(self, name: str) -> str:
         await self._unit(name)
+        await self.answered(ANSWERS_BEFORE_STOP_S)  # PID 1 takes the starts first
         job = await self._manager.call_stop_unit(name, "replace")
         return await self._wait_job(job)
 
@@ -207,6 +253,12 @@ class DbusSystemd:
     async def unit_pids(self, name: str) -> list[int]:
         processes = await self._manager.call_get_unit_processes(name)
         return [int(pid) for _cgroup, pid, _cmd in processes]
+
+
+def _answer_seen(call: asyncio.Future[Any]) -> None:
+    """A StartUnit's error is its caller's to see, or nobody's once that caller is gone."""
+    if not call.cancelled():
+        call.exception()
 
 
 def property_values(props: Sequence[tuple[str, str, Any]]) -> list[list[Any]]:

@@ -40,6 +40,9 @@ _FIXED = {"y": "B", "b": "I", "n": "h", "q": "H", "i": "i", "u": "I", "x": "q", 
 _ALIGN = {"y": 1, "b": 4, "n": 2, "q": 2, "i": 4, "u": 4, "x": 8, "t": 8, "d": 8}
 _ALIGN |= {"s": 4, "o": 4, "g": 1, "a": 4, "(": 8, "{": 8, "v": 1}
 MAX_MESSAGE = 1 << 27  # the specification's limit
+# The job mode of every StartUnit providerd sends: a start that conflicts with a stop job
+# queued or running (an operator's, or PID 1's by a BindsTo=) fails instead of replacing it.
+START_MODE = "fail"
 
 
 class Variant:

@@ -35,7 +35,7 @@ from agent.errors import ProviderdError
 from agent.spec import paths
 from agent.spec.files import write_atomic
 from agent.spec.provider import Address, Ready
-from agent.systemd.bus import Systemd
+from agent.systemd.bus import REFUSED, Systemd
 from agent.systemd.envfile import environment_file
 from agent.systemd.names import worker_unit
 from agent.systemd.syncbus import same_device_rules
@@ -91,6 +91,13 @@ class WorkerControl(Protocol):
         """From now on, stopping is PID 1's: it is stopping the front and stops the worker
         after it (the front's unit is ordered after the worker's), so a stop of ours,
         queued behind the front's own, would never end while the front waits for it."""
+        ...
+
+    async def answered(self, timeout_s: float) -> bool:
+        """Wait, at most `timeout_s`, until every start asked of PID 1 is answered (a caller
+        cancelled meanwhile included): whether they all are. A front leaves only then, so
+        that PID 1 sees a late start while the front's own stop is still under way, and
+        refuses it."""
         ...
 
     async def pids(self) -> list[int]: ...
@@ -356,7 +363,11 @@ class SystemdWorker:
                 self._running = True
                 return
             raise await self._failed()  # done, and not active: its condition, say
-        # "canceled": a stop replaced the start job (PID 1's, or another client's)
+        # "canceled": a stop replaced the start job (PID 1's, or another client's);
+        # REFUSED: PID 1 took the StartUnit while a stop job was queued or running (the
+        # worker's, or the front's own, which the worker's BindsTo= pulls in).
+        if job.result() == REFUSED:
+            raise await self._failed(stopped=True)
         raise await self._failed(job_failed=True, stopped=job.result() == "canceled")
 
     async def _devices_are(self, devices: DeviceRules) -> bool:
@@ -453,6 +464,9 @@ class SystemdWorker:
 
     def leave_stop_to_systemd(self) -> None:
         self._stop_left_to_systemd = True
+
+    async def answered(self, timeout_s: float) -> bool:
+        return await self.systemd.answered(timeout_s)
 
     async def pids(self) -> list[int]:
         return await self.systemd.unit_pids(self.unit)
@@ -782,6 +796,9 @@ class ProcessWorker:
 
     def leave_stop_to_systemd(self) -> None:
         pass  # no systemd here: the front stops its child itself
+
+    async def answered(self, timeout_s: float) -> bool:
+        return True  # a child is started at once, nothing waits for an answer
 
     async def stop(self) -> None:
         self._stopping = True

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.systemd.bus import StateCallback, property_values
+from agent.systemd.bus import REFUSED, StateCallback, property_values
 
 
 @dataclass
@@ -26,6 +26,9 @@ class Behaviour:
     result: str = "success"  # "success" | "exit-code" | "timeout" | "oom-kill" | "signal"
     status: int = 0
     condition_path: str | None = None  # ConditionPathExists=
+    # How long PID 1 takes to answer a StartUnit (polkit's check): a stop job queued
+    # meanwhile (`queue_stop`) makes it refused, as job mode "fail" does.
+    answer_s: float = 0.0
 
 
 @dataclass
@@ -57,6 +60,7 @@ class FakeSystemd:
         self._next_job = 0
         self._cancelled: set[int] = set()  # start jobs a stop replaced before they ran
         self._job_types: dict[int, str] = {}  # JobType by job id
+        self._unanswered: set[asyncio.Future[str]] = set()  # StartUnit calls not answered
 
     def unit(self, name: str) -> Unit:
         return self.units.setdefault(name, Unit(name))
@@ -74,10 +78,26 @@ class FakeSystemd:
 
     async def start_unit(self, name: str) -> str:
         self.calls.append(("start", name))
+        unit = self.unit(name)
+        if unit.behaviour.answer_s:
+            held = asyncio.ensure_future(asyncio.sleep(unit.behaviour.answer_s, "answered"))
+            self._unanswered.add(held)
+            held.add_done_callback(self._unanswered.discard)
+            await asyncio.shield(held)  # a cancel of the caller does not take the call back
+        if self._job_types.get(unit.job) == "stop":
+            self.calls.append(("refused", name))
+            return REFUSED  # job mode "fail": it would have undone the stop
         job = self._jobs.get(name)
         if job is not None:  # a start job is under way: systemd merges the new one into it
             return await asyncio.shield(job)
         return await self._start_job(name)
+
+    async def answered(self, timeout_s: float) -> bool:
+        pending = set(self._unanswered)
+        if not pending:
+            return True
+        _done, left = await asyncio.wait(pending, timeout=timeout_s)
+        return not left
 
     def start_with_front(self, name: str) -> asyncio.Task[str]:
         """What an activation does for a worker the front Wants=: a start job nobody waits for."""

@@ -107,7 +107,8 @@ def test_a_gpu_start_is_decided_written_and_asked_for(host: Path) -> None:
     assert (unit, runtime) == ("provider-worker@g.service", True)
     assert props[0][1].value == []
     assert ["/dev/nvidia0", "rw"] in props[1][1].value
-    assert bus.calls[3].body == ["provider-worker@g.service", "replace"]
+    # Job mode "fail": a start that would undo a stop job is refused, never replaces it.
+    assert bus.calls[3].body == ["provider-worker@g.service", "fail"]
     env = (host / "run" / "g" / "worker.env").read_text()
     assert 'CUDA_VISIBLE_DEVICES="GPU-a"' in env
     assert f'PROVIDERD_WORKER_PORT="{start.port}"' in env
