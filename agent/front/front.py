@@ -59,6 +59,10 @@ FIRST_REQUEST_GRACE_S = 5.0
 # The "Serving: N in flight, M served" line changes with every request: systemd is told it
 # at most this often (each STATUS= is a datagram that wakes PID 1), the latest text last.
 STATUS_EVERY_S = 1.0
+# How long a leaving front waits for PID 1's answers to the starts it asked for (polkit
+# holds each for milliseconds, or hundreds of them on a busy host): well within the front's
+# TimeoutStopSec= margin over stop_timeout_s.
+START_ANSWER_WAIT_S = 20.0
 
 Notify = Callable[[str], object]
 
@@ -524,8 +528,7 @@ class Front:
         elif action == Action.LEAVE:
             # Decided now, in this turn of the loop: nothing may be handed the worker after this.
             self.stop_accepting()
-            self.notify(f"STOPPING=1\nSTATUS={cause}")
-            self._spawn(self._leave())
+            self._spawn(self._leave(cause))
         elif action == Action.LOG_CAUSE:
             self.log.info("%s", cause)
         return None
@@ -685,9 +688,26 @@ class Front:
             what = getattr(task.get_coro(), "__qualname__", "a background task")
             self.log.error("Failed to finish %s", what, exc_info=task.exception())
 
-    async def _leave(self) -> None:
-        """The end of an activated front: once the worker is gone, close up and exit."""
+    async def _leave(self, cause: str) -> None:
+        """The end of an activated front: once the worker is gone, close up and exit.
+
+        A StartUnit sent and not answered yet (held by polkit) is taken by PID 1 later.
+        While the front's own stop job is installed (SIGTERM), job mode "fail" refuses it;
+        with the front gone it would start the worker and, by its BindsTo=, the front
+        again. So the front exits only once it is answered. And it says STOPPING=1 only
+        then, where it is leaving on its own (a stop on the control socket, idle): a front
+        "deactivating" with no stop job would have PID 1 queue that start of the front
+        behind its exit, where an active front takes it as done; the worker it started is
+        stopped by the front's own stop, which goes out after the answer (agent.systemd.bus).
+        """
+        answered = await self.worker.answered(0)
+        if answered:
+            self.notify(f"STOPPING=1\nSTATUS={cause}")
         await self._stopped.wait()
+        if not answered:
+            if not await self.worker.answered(START_ANSWER_WAIT_S):
+                self.log.warning("Leaving with a start of the worker not answered by systemd")
+            self.notify(f"STOPPING=1\nSTATUS={cause}")
         for task in list(self._connections):
             task.cancel()
         if isinstance(self.listening, HttpListeners):

@@ -63,6 +63,9 @@ class InProcessWorker:
             await self.server.wait_closed()
             self.server = None
 
+    async def answered(self, timeout_s: float) -> bool:
+        return True  # started in this process: nothing waits for an answer
+
     async def pids(self) -> list[int]:
         return []
 
