@@ -366,9 +366,8 @@ class SystemdWorker:
         # "canceled": a stop replaced the start job (PID 1's, or another client's);
         # REFUSED: PID 1 took the StartUnit while a stop job was queued or running (the
         # worker's, or the front's own, which the worker's BindsTo= pulls in).
-        if job.result() == REFUSED:
-            raise await self._failed(stopped=True)
-        raise await self._failed(job_failed=True, stopped=job.result() == "canceled")
+        r = job.result()
+        raise await self._failed(job_failed=r != REFUSED, stopped=r in ("canceled", REFUSED))
 
     async def _devices_are(self, devices: DeviceRules) -> bool:
         """Whether the unit's DeviceAllow= is `devices` already (set so for an earlier start
