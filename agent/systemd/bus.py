@@ -256,7 +256,10 @@ class DbusSystemd:
 
 
 def _answer_seen(call: asyncio.Future[Any]) -> None:
-    """A StartUnit's error is its caller's to see, or nobody's once that caller is gone."""
+    """A StartUnit's error is its caller's to see, or nobody's once that caller is gone.
+    Retrieved here: once the caller's `asyncio.shield` is cancelled, Python 3.11 takes its
+    own callback off the call, and an error the call ends in later would be logged as
+    "exception was never retrieved"."""
     if not call.cancelled():
         call.exception()
 

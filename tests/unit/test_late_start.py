@@ -7,6 +7,7 @@ answered."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 from dbus_next.errors import DBusError
@@ -170,3 +171,27 @@ def test_a_front_with_every_start_answered_says_stopping_1_at_once() -> None:
         return notes
 
     assert any(n.startswith("STOPPING=1") for n in asyncio.run(go()))
+
+
+def test_an_error_answering_a_start_whose_caller_was_cancelled_is_not_left_unretrieved() -> None:
+    """PID 1 (or polkit) answers no after the caller gave up: nobody is to see that error,
+    and asyncio must not log it as never retrieved."""
+    manager = Manager(DBusError("org.freedesktop.DBus.Error.AccessDenied", "no"))
+    systemd = bus(manager)
+    unretrieved: list[str] = []
+
+    async def go() -> None:
+        asyncio.get_running_loop().set_exception_handler(
+            lambda _loop, context: unretrieved.append(context["message"])
+        )
+        start = asyncio.ensure_future(systemd.start_unit(UNIT))
+        await asyncio.sleep(0.01)
+        start.cancel()
+        await asyncio.wait({start})
+        manager.answer.set()
+        assert await systemd.answered(1)
+        await asyncio.sleep(0)
+
+    asyncio.run(go())
+    gc.collect()
+    assert not unretrieved, unretrieved
