@@ -118,6 +118,7 @@ class DbusSystemd:
         self._units: dict[str, Any] = {}  # name -> proxy object
         self._unit_node: Any = None  # UNIT_XML, parsed once
         self._unanswered: set[asyncio.Future[Any]] = set()  # StartUnit calls sent
+        self._unwanted: set[str] = set()  # jobs of starts whose caller was cancelled
 
     async def connect(self) -> None:
         from dbus_next.aio.message_bus import MessageBus
@@ -137,8 +138,11 @@ class DbusSystemd:
 
     def _on_job_removed(self, _id: int, job: str, _unit: str, result: str) -> None:
         future = self._waiting.pop(job, None)
-        if future is not None and not future.done():
-            future.set_result(result)
+        if future is not None:
+            if not future.done():
+                future.set_result(result)
+        elif job in self._unwanted:
+            self._unwanted.discard(job)  # nobody waits for it any more
         else:
             self._finished[job] = result
 
@@ -152,7 +156,21 @@ class DbusSystemd:
         return future
 
     async def _wait_job(self, job: str) -> str:
-        return await self._expect(job)
+        try:
+            return await self._expect(job)
+        except asyncio.CancelledError:
+            if self._waiting.pop(job, None) is not None:
+                self._unwanted.add(job)  # its JobRemoved is still to come
+            raise
+
+    def _forget_job(self, call: asyncio.Future[Any]) -> None:
+        """A start's caller was cancelled before PID 1 answered: the job it answers with is
+        nobody's to wait for, and its JobRemoved is not kept."""
+        if call.cancelled() or call.exception() is not None:
+            return
+        job = str(call.result())
+        if self._finished.pop(job, None) is None:
+            self._unwanted.add(job)
 
     async def _unit(self, name: str) -> Any:
         unit = self._units.get(name)
@@ -173,6 +191,9 @@ class DbusSystemd:
         call.add_done_callback(self._unanswered.discard)
         try:
             job = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(self._forget_job)
+            raise
         except DBusError as e:
             if e.type == UNDOES_A_STOP:
                 return REFUSED

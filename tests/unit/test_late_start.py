@@ -195,3 +195,27 @@ def test_an_error_answering_a_start_whose_caller_was_cancelled_is_not_left_unret
     asyncio.run(go())
     gc.collect()
     assert not unretrieved, unretrieved
+
+
+def test_the_job_of_a_start_whose_caller_was_cancelled_leaves_nothing_behind() -> None:
+    """PID 1 answers a start with a job after its caller was cancelled, or the caller is
+    cancelled while it waits for the job: that job's JobRemoved is kept for nobody."""
+    manager = Manager()
+    systemd = bus(manager)
+
+    async def go() -> None:
+        start = asyncio.ensure_future(systemd.start_unit(UNIT))
+        await asyncio.sleep(0.01)
+        start.cancel()
+        await asyncio.wait({start})
+        manager.answer.set()
+        assert await systemd.answered(1)
+        systemd._on_job_removed(7, JOB, UNIT, "done")
+        waiting = asyncio.ensure_future(systemd.start_unit(UNIT))
+        await asyncio.sleep(0.01)
+        waiting.cancel()
+        await asyncio.wait({waiting})
+        systemd._on_job_removed(7, JOB, UNIT, "done")
+
+    asyncio.run(go())
+    assert systemd._finished == {} and systemd._waiting == {} and not systemd._unwanted
