@@ -59,10 +59,12 @@ FIRST_REQUEST_GRACE_S = 5.0
 # The "Serving: N in flight, M served" line changes with every request: systemd is told it
 # at most this often (each STATUS= is a datagram that wakes PID 1), the latest text last.
 STATUS_EVERY_S = 1.0
-# How long a leaving front waits for PID 1's answers to the starts it asked for (polkit
-# holds each for milliseconds, or hundreds of them on a busy host): well within the front's
-# TimeoutStopSec= margin over stop_timeout_s.
-START_ANSWER_WAIT_S = 20.0
+# How long a leaving front waits, from its decision to leave, for PID 1's answers to the
+# starts it asked for (polkit holds each for milliseconds, or hundreds of them on a busy
+# host): one budget for its own wait and its worker stop's (dbus-next bounds neither), well
+# within the front's TimeoutStopSec= margin over stop_timeout_s (units.FRONT_STOP_MARGIN_S),
+# which is also to hold the worker's stop.
+START_ANSWER_WAIT_S = 10.0
 
 Notify = Callable[[str], object]
 
@@ -528,7 +530,9 @@ class Front:
         elif action == Action.LEAVE:
             # Decided now, in this turn of the loop: nothing may be handed the worker after this.
             self.stop_accepting()
-            self._spawn(self._leave(cause))
+            deadline = asyncio.get_running_loop().time() + START_ANSWER_WAIT_S
+            self.worker.answers_by(deadline)  # before the worker's stop waits for them
+            self._spawn(self._leave(cause, deadline))
         elif action == Action.LOG_CAUSE:
             self.log.info("%s", cause)
         return None
@@ -561,9 +565,10 @@ class Front:
             env = worker_environment(port, self.worker_host, env)
             if self.backoff_file is not None:
                 saved_backoff.clear(self.backoff_file)  # else the worker's condition skips it
-            await asyncio.wait_for(
-                self.worker.start(env, devices), self.provider.start_timeout_s + 60
-            )
+            # In this task, not in one of wait_for's: a release's cancel reaches the
+            # worker's start at once (`_may_start`).
+            async with asyncio.timeout(self.provider.start_timeout_s + 60):
+                await self.worker.start(env, devices)
         except Exception as e:  # any failure fails the start: held requests get a 503, never a hang
             took = loop.time() - began
             if isinstance(e, (StartFailed, Unavailable, TimeoutError, OSError)):
@@ -688,7 +693,16 @@ class Front:
             what = getattr(task.get_coro(), "__qualname__", "a background task")
             self.log.error("Failed to finish %s", what, exc_info=task.exception())
 
-    async def _leave(self, cause: str) -> None:
+    def _may_start(self) -> bool:
+        """Whether the start task may still ask PID 1 for a start: under way, and neither
+        cancelled yet nor, being cancelled, through that cancel in the worker's start (a
+        cancel taken before the worker's start was entered keeps it from being entered)."""
+        start = self._starting
+        if start is None or start.done():
+            return False
+        return not start.cancelling() or self.worker.sending()
+
+    async def _leave(self, cause: str, deadline: float) -> None:
         """The end of an activated front: once the worker is gone, close up and exit.
 
         A StartUnit sent and not answered yet (held by polkit) is taken by PID 1 later.
@@ -699,15 +713,17 @@ class Front:
         "deactivating" with no stop job would have PID 1 queue that start of the front
         behind its exit, where an active front takes it as done; the worker it started is
         stopped by the front's own stop, which goes out after the answer (agent.systemd.bus).
+        A start under way is first let go (`_stop_worker` cancels it), so that it sends no
+        StartUnit after STOPPING=1. The waits end at `deadline`, the worker stop's too;
+        STOPPING=1 goes out once the answers are in, the worker's stop is awaited after.
         """
-        answered = await self.worker.answered(0)
-        if answered:
-            self.notify(f"STOPPING=1\nSTATUS={cause}")
+        loop = asyncio.get_running_loop()
+        while self._may_start() and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        if self._may_start() or not await self.worker.answered(deadline - loop.time()):
+            self.log.warning("Leaving with a start of the worker not answered by systemd")
+        self.notify(f"STOPPING=1\nSTATUS={cause}")
         await self._stopped.wait()
-        if not answered:
-            if not await self.worker.answered(START_ANSWER_WAIT_S):
-                self.log.warning("Leaving with a start of the worker not answered by systemd")
-            self.notify(f"STOPPING=1\nSTATUS={cause}")
         for task in list(self._connections):
             task.cancel()
         if isinstance(self.listening, HttpListeners):

@@ -39,8 +39,9 @@ StateCallback = Callable[[str, str], None]  # (ActiveState, SubState)
 UNDOES_A_STOP = SD + ".TransactionIsDestructive"
 REFUSED = "refused"
 # How long a stop waits for the answers to the starts sent before it (polkit's own checks
-# end well within it; D-Bus's default method timeout is 25 s).
-ANSWERS_BEFORE_STOP_S = 25.0
+# end well within it). dbus-next puts no timeout on a method call: this is the only bound,
+# and a leaving front's budget (`answers_by`) can make it shorter.
+ANSWERS_BEFORE_STOP_S = 10.0
 
 # What providerd calls, as introspection data: PID 1's own introspection of the manager and
 # of a unit is tens of kilobytes of XML, and fetching and parsing it took 10-20 ms of the
@@ -77,7 +78,13 @@ class Systemd(Protocol):
     async def answered(self, timeout_s: float) -> bool:
         """Wait until every StartUnit sent on this connection is answered (its job queued,
         or refused), at most `timeout_s`: whether they all are. A caller's cancel does not
-        take the call back, so one cancelled meanwhile is waited for too."""
+        take the call back, so one cancelled meanwhile is waited for too. One a stop gave up
+        on (`stop_unit`) is not waited for again: it counts as unanswered at once."""
+        ...
+
+    def answers_by(self, deadline: float) -> None:
+        """Every wait for answers from now on (a stop's, `answered`'s) ends at `deadline`
+        (the event loop's clock) at the latest: a leaving front's one budget for them."""
         ...
 
     async def follow(self, name: str, job: str) -> str:
@@ -119,6 +126,8 @@ class DbusSystemd:
         self._unit_node: Any = None  # UNIT_XML, parsed once
         self._unanswered: set[asyncio.Future[Any]] = set()  # StartUnit calls sent
         self._unwanted: set[str] = set()  # jobs of starts whose caller was cancelled
+        self._given_up: set[asyncio.Future[Any]] = set()  # unanswered calls a stop gave up on
+        self._deadline: float | None = None  # `answers_by`
 
     async def connect(self) -> None:
         from dbus_next.aio.message_bus import MessageBus
@@ -189,6 +198,7 @@ class DbusSystemd:
         self._unanswered.add(call)
         call.add_done_callback(_answer_seen)
         call.add_done_callback(self._unanswered.discard)
+        call.add_done_callback(self._given_up.discard)
         try:
             job = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -201,11 +211,17 @@ class DbusSystemd:
         return await self._wait_job(job)
 
     async def answered(self, timeout_s: float) -> bool:
-        pending = set(self._unanswered)
-        if not pending:
-            return True
-        _done, left = await asyncio.wait(pending, timeout=max(0.0, timeout_s))
-        return not left
+        pending = self._unanswered - self._given_up
+        if pending:
+            if self._deadline is not None:
+                timeout_s = min(timeout_s, self._deadline - asyncio.get_running_loop().time())
+            _done, late = await asyncio.wait(pending, timeout=max(0.0, timeout_s))
+            if late:
+                return False
+        return not self._unanswered
+
+    def answers_by(self, deadline: float) -> None:
+        self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
 
     async def follow(self, name: str, job: str) -> str:
         """The result of a job this connection did not ask for. Its JobRemoved counts from
@@ -230,7 +246,8 @@ class DbusSystemd:
 
     async def stop_unit(self, name: str) -> str:
         await self._unit(name)
-        await self.answered(ANSWERS_BEFORE_STOP_S)  # PID 1 takes the starts first
+        if not await self.answered(ANSWERS_BEFORE_STOP_S):  # PID 1 takes the starts first
+            self._given_up |= self._unanswered  # no later stop waits for them again
         job = await self._manager.call_stop_unit(name, "replace")
         return await self._wait_job(job)
 

@@ -100,6 +100,17 @@ class WorkerControl(Protocol):
         refuses it."""
         ...
 
+    def answers_by(self, deadline: float) -> None:
+        """Every wait for PID 1's answers from now on (a stop's, `answered`'s) ends at
+        `deadline` (the event loop's clock) at the latest: a leaving front's one budget."""
+        ...
+
+    def sending(self) -> bool:
+        """Whether a `start` is under way that may still ask PID 1 for a start: entered, and
+        not yet through a cancel (once it has taken one, any StartUnit it made is counted
+        by `answered`, and it sends none after)."""
+        ...
+
     async def pids(self) -> list[int]: ...
 
     async def memory(self) -> dict[str, int | None]:
@@ -159,6 +170,7 @@ class SystemdWorker:
         self._exit_task: asyncio.Task[None] | None = None
         self._exited: asyncio.Future[None] | None = None  # set while a start waits
         self._stop_left_to_systemd = False
+        self._sending = False  # `sending`
         self._adopted: _Adopted | None = None
 
     def on_exit(self, callback: ExitCallback) -> None:
@@ -230,6 +242,13 @@ class SystemdWorker:
         self._adopted = None
 
     async def start(self, env: Mapping[str, str], devices: DeviceRules | None) -> None:
+        self._sending = True
+        try:
+            await self._start(env, devices)
+        finally:
+            self._sending = False
+
+    async def _start(self, env: Mapping[str, str], devices: DeviceRules | None) -> None:
         adopted, self._adopted = self._adopted, None
         if adopted is not None and (adopted.env, adopted.devices) != (dict(env), _rules(devices)):
             # Decided otherwise: the adopted job (or the worker it started) runs with the
@@ -283,10 +302,12 @@ class SystemdWorker:
             job = asyncio.ensure_future(self.systemd.start_unit(self.unit))
         try:
             await self._until_started(job, self._probe(env), watching)
-        except BaseException:
+        except BaseException as e:
             # Whatever ends a start here (its failure, a timeout, a cancel), systemd's job
             # may still run: the worker is stopped, as ProcessWorker ends its child.
             self._running = False
+            if isinstance(e, asyncio.CancelledError):
+                self._sending = False  # its StartUnit, if any, went out: `answered` has it
             if not self._stop_left_to_systemd:
                 with contextlib.suppress(Exception):
                     await self.systemd.stop_unit(self.unit)
@@ -466,6 +487,12 @@ class SystemdWorker:
 
     async def answered(self, timeout_s: float) -> bool:
         return await self.systemd.answered(timeout_s)
+
+    def answers_by(self, deadline: float) -> None:
+        self.systemd.answers_by(deadline)
+
+    def sending(self) -> bool:
+        return self._sending
 
     async def pids(self) -> list[int]:
         return await self.systemd.unit_pids(self.unit)
@@ -798,6 +825,12 @@ class ProcessWorker:
 
     async def answered(self, timeout_s: float) -> bool:
         return True  # a child is started at once, nothing waits for an answer
+
+    def answers_by(self, deadline: float) -> None:
+        pass
+
+    def sending(self) -> bool:
+        return False
 
     async def stop(self) -> None:
         self._stopping = True

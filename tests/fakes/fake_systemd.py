@@ -61,6 +61,7 @@ class FakeSystemd:
         self._cancelled: set[int] = set()  # start jobs a stop replaced before they ran
         self._job_types: dict[int, str] = {}  # JobType by job id
         self._unanswered: set[asyncio.Future[str]] = set()  # StartUnit calls not answered
+        self.deadline: float | None = None  # `answers_by`
 
     def unit(self, name: str) -> Unit:
         return self.units.setdefault(name, Unit(name))
@@ -96,8 +97,13 @@ class FakeSystemd:
         pending = set(self._unanswered)
         if not pending:
             return True
-        _done, left = await asyncio.wait(pending, timeout=timeout_s)
+        if self.deadline is not None:
+            timeout_s = min(timeout_s, self.deadline - asyncio.get_running_loop().time())
+        _done, left = await asyncio.wait(pending, timeout=max(0.0, timeout_s))
         return not left
+
+    def answers_by(self, deadline: float) -> None:
+        self.deadline = deadline
 
     def start_with_front(self, name: str) -> asyncio.Task[str]:
         """What an activation does for a worker the front Wants=: a start job nobody waits for."""

@@ -66,6 +66,12 @@ class InProcessWorker:
     async def answered(self, timeout_s: float) -> bool:
         return True  # started in this process: nothing waits for an answer
 
+    def answers_by(self, deadline: float) -> None:
+        pass
+
+    def sending(self) -> bool:
+        return False
+
     async def pids(self) -> list[int]:
         return []
 

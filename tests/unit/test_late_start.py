@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from typing import Any
 
 import pytest
 from dbus_next.errors import DBusError
 
-from agent.front.front import Front
+from agent.front.front import START_ANSWER_WAIT_S, Front
 from agent.systemd.bus import REFUSED, UNDOES_A_STOP, DbusSystemd
 from agent.systemd.syncbus import START_MODE
+from agent.systemd.units import FRONT_STOP_MARGIN_S
 from agent.worker.control import StartFailed, SystemdWorker
 from tests.fakes.fake_systemd import FakeSystemd
 from tests.unit.test_front import InProcessWorker, listener, provider
@@ -219,3 +221,158 @@ def test_the_job_of_a_start_whose_caller_was_cancelled_leaves_nothing_behind() -
 
     asyncio.run(go())
     assert systemd._finished == {} and systemd._waiting == {} and not systemd._unwanted
+
+
+def test_a_stop_waits_for_answers_only_until_a_leaving_fronts_deadline() -> None:
+    """dbus-next puts no timeout on a call: the stop's wait ends at the one deadline set
+    when the front decided to leave, and a later wait skips the calls it gave up on."""
+    manager = Manager()
+    systemd = bus(manager)
+
+    async def go() -> tuple[float, float, bool]:
+        loop = asyncio.get_running_loop()
+        start = asyncio.ensure_future(systemd.start_unit(UNIT))
+        await asyncio.sleep(0.01)
+        began = loop.time()
+        systemd.answers_by(began + 0.2)
+        stop = asyncio.ensure_future(systemd.stop_unit(UNIT))
+        while len(manager.calls) < 2:
+            await asyncio.sleep(0.01)
+        sent_after = loop.time() - began
+        systemd._on_job_removed(8, "/org/freedesktop/systemd1/job/8", UNIT, "done")
+        await asyncio.wait_for(stop, 1)
+        began = loop.time()
+        answered = await systemd.answered(5)
+        manager.answer.set()
+        await asyncio.sleep(0.01)
+        systemd._on_job_removed(7, JOB, UNIT, "done")
+        await asyncio.wait_for(start, 1)
+        return sent_after, loop.time() - began, answered
+
+    sent_after, waited, answered = asyncio.run(go())
+    assert 0.15 < sent_after < 2, sent_after  # not ANSWERS_BEFORE_STOP_S
+    assert waited < 0.1 and not answered, (waited, answered)
+
+
+class Sending(InProcessWorker):
+    """A worker whose start, let go on by `go`, asks PID 1 for a start (`sent`) that is
+    answered `answer_s` later; its stop takes `stop_s`. What happens is noted in `notes`."""
+
+    def __init__(self, notes: list[str], answer_s: float = 0.2, stop_s: float = 0.0) -> None:
+        super().__init__()
+        self.notes = notes
+        self.go = asyncio.Event()
+        self.answer_s, self.stop_s = answer_s, stop_s
+        self.calls: set[asyncio.Future[None]] = set()
+        self.deadline: float | None = None
+        self._sending = False
+
+    async def _answer(self) -> None:
+        await asyncio.sleep(self.answer_s)
+        self.notes.append("answered")
+
+    async def start(self, env: Any, devices: Any) -> None:
+        self._sending = True
+        try:
+            await self.go.wait()
+            self.notes.append("sent")
+            self.calls.add(asyncio.ensure_future(self._answer()))
+            await asyncio.shield(next(iter(self.calls)))
+            await super().start(env, devices)
+        finally:
+            self._sending = False
+
+    async def stop(self) -> None:
+        await asyncio.sleep(self.stop_s)
+        self.notes.append("stopped")
+        await super().stop()
+
+    async def answered(self, timeout_s: float) -> bool:
+        pending = {c for c in self.calls if not c.done()}
+        if not pending:
+            return True
+        _done, late = await asyncio.wait(pending, timeout=max(0.0, timeout_s))
+        return not late
+
+    def answers_by(self, deadline: float) -> None:
+        self.deadline = deadline
+
+    def sending(self) -> bool:
+        return self._sending
+
+
+def test_a_start_let_go_on_as_the_front_leaves_sends_nothing_after_stopping_1() -> None:
+    """The start's wait ends in the very turn of the loop the front decides to leave,
+    before the release's cancel reaches it: a StartUnit it sends then is answered before
+    STOPPING=1, or it sends none."""
+
+    async def go() -> list[str]:
+        notes: list[str] = []
+        worker = Sending(notes)
+        front = Front(provider(), worker, [listener()], exit_on_idle=True, notify=notes.append)
+        front.start_accepting()
+        front.warm("request")
+        await asyncio.sleep(0.05)
+        stopping = asyncio.ensure_future(front.stop(0))
+        await asyncio.sleep(0)  # the stop is decided: the leave and the release are spawned
+        worker.go.set()
+        await asyncio.wait_for(stopping, 5)
+        await asyncio.sleep(0.3)
+        return [n.split("\n")[0] for n in notes if not n.startswith("STATUS=")]
+
+    notes = asyncio.run(go())
+    assert "STOPPING=1" in notes, notes
+    if "sent" in notes:
+        assert notes.index("answered") < notes.index("STOPPING=1"), notes
+
+
+def test_a_leaving_front_says_stopping_1_once_answered_not_once_its_worker_stopped() -> None:
+    async def go() -> tuple[list[str], float | None, float]:
+        notes: list[str] = []
+        worker = Sending(notes, answer_s=0.1, stop_s=0.5)
+        worker.go.set()
+        front = Front(provider(), worker, [listener()], exit_on_idle=True, notify=notes.append)
+        front.start_accepting()
+        front.warm("request")
+        await asyncio.sleep(0.01)
+        left_at = asyncio.get_running_loop().time()
+        await asyncio.wait_for(front.stop(0), 5)
+        return (
+            [n.split("\n")[0] for n in notes if not n.startswith("STATUS=")],
+            worker.deadline,
+            left_at,
+        )
+
+    notes, deadline, left_at = asyncio.run(go())
+    assert notes.index("sent") < notes.index("answered") < notes.index("STOPPING=1"), notes
+    assert notes.index("STOPPING=1") < notes.index("stopped"), notes
+    assert deadline is not None and 0 < deadline - left_at <= START_ANSWER_WAIT_S + 0.1
+    assert START_ANSWER_WAIT_S < FRONT_STOP_MARGIN_S / 2
+
+
+def test_a_worker_start_is_sending_until_it_has_taken_its_cancel() -> None:
+    """`sending` covers the start from its entry until a cancel reaches it; by then the
+    StartUnit it made is one `answered` waits for, and the stop after it is not waited on."""
+    fake = FakeSystemd()
+    fake.unit(UNIT).behaviour.answer_s = 0.3
+    fake.unit(UNIT).behaviour.delay_s = 0.5
+    w = SystemdWorker(fake, "demo", start_timeout_s=5)
+
+    async def go() -> tuple[bool, bool, bool]:
+        start = asyncio.ensure_future(w.start({}, None))
+        await asyncio.sleep(0.05)
+        during = w.sending()
+        stop_unit = fake.stop_unit
+        sending_at_stop: list[bool] = []
+
+        async def stop(name: str) -> str:  # the stop after the cancel
+            sending_at_stop.append(w.sending())
+            return await stop_unit(name)
+
+        fake.stop_unit = stop  # type: ignore[method-assign]
+        start.cancel()
+        await asyncio.wait({start})
+        return during, sending_at_stop == [False], await w.answered(0)
+
+    during, after, answered = asyncio.run(go())
+    assert during and after and not answered
