@@ -424,7 +424,17 @@ def _admit(decision: _Decision, early: Early) -> Admitted | None:
 
 def _start(unit: str, devices: list[tuple[str, str]] | None) -> tuple[str, bool]:
     """`DeviceAllow=` set when it must change, then StartUnit: the job's path, and whether
-    the device rules were set."""
+    the device rules were set.
+
+    This StartUnit is not one `answered()` (agent.systemd.bus) waits for, and cannot be:
+    it goes out before the front's event loop and bus connection exist, and the call
+    blocks until PID 1 answers or the socket's timeout (SyncBus, 25 s) passes, the
+    connection then closed. Answered, nothing is left to wait for. Unanswered, a late
+    answer would come to a closed connection, so no wait could see it; the front then
+    sends its own StartUnit for the same decision (`_Unanswered`), and that one is
+    followed and waited for. The unanswered early call itself is not: a stop the front
+    sends later does not wait for it, and PID 1 may still take it after that stop.
+    """
     from agent.systemd.syncbus import (
         PROPERTIES,
         START_MODE,
