@@ -321,6 +321,7 @@ class SystemdWorker:
     ) -> None:
         loop = asyncio.get_running_loop()
         began = loop.time()
+        done: set[asyncio.Future[Any]] = set()  # a cancel may come before the first wait ends
         try:
             waited: set[asyncio.Future[Any]] = {job} if answered is None else {job, answered}
             done, _ = await asyncio.wait(

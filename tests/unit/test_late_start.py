@@ -14,6 +14,7 @@ import pytest
 from dbus_next.errors import DBusError
 
 from agent.front.front import START_ANSWER_WAIT_S, Front
+from agent.spec.provider import Ready
 from agent.systemd.bus import REFUSED, UNDOES_A_STOP, DbusSystemd
 from agent.systemd.syncbus import START_MODE
 from agent.systemd.units import FRONT_STOP_MARGIN_S
@@ -376,3 +377,20 @@ def test_a_worker_start_is_sending_until_it_has_taken_its_cancel() -> None:
 
     during, after, answered = asyncio.run(go())
     assert during and after and not answered
+
+
+def test_a_start_with_a_probe_cancelled_while_it_waits_ends_cancelled() -> None:
+    """A release's cancel reaches the start in the front's own task: it is a cancel, not
+    an error of the start's own."""
+    fake = FakeSystemd()
+    fake.unit(UNIT).behaviour.delay_s = 5
+    w = SystemdWorker(fake, "demo", start_timeout_s=5, ready=Ready("tcp"))
+
+    async def go() -> None:
+        start = asyncio.ensure_future(w.start({"PROVIDERD_WORKER_PORT": "9"}, None))
+        await asyncio.sleep(0.05)
+        start.cancel()
+        await asyncio.wait({start})
+        assert start.cancelled(), start.exception()
+
+    asyncio.run(go())
