@@ -69,6 +69,9 @@ UNIT_XML = """<node><interface name="org.freedesktop.DBus.Properties">
 </interface></node>"""
 
 
+FINISHED_KEPT = 256  # JobRemoved results kept for a reply or a `follow` not yet seen
+
+
 class Systemd(Protocol):
     async def start_unit(self, name: str) -> str:
         """Start `name` (`START_MODE`) and wait for its job: "done", "failed", "timeout", …;
@@ -153,7 +156,11 @@ class DbusSystemd:
         elif job in self._unwanted:
             self._unwanted.discard(job)  # nobody waits for it any more
         else:
+            # Subscribe() sends every job of the host: the latest are kept, for a reply or
+            # a `follow` still to come, and the oldest let go.
             self._finished[job] = result
+            if len(self._finished) > FINISHED_KEPT:
+                del self._finished[next(iter(self._finished))]
 
     def _expect(self, job: str) -> asyncio.Future[str]:
         """`job`'s result from its JobRemoved: already done if that came first."""

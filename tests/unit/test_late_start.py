@@ -15,7 +15,7 @@ from dbus_next.errors import DBusError
 
 from agent.front.front import START_ANSWER_WAIT_S, Front
 from agent.spec.provider import Ready
-from agent.systemd.bus import REFUSED, UNDOES_A_STOP, DbusSystemd
+from agent.systemd.bus import FINISHED_KEPT, REFUSED, UNDOES_A_STOP, DbusSystemd
 from agent.systemd.syncbus import START_MODE
 from agent.systemd.units import FRONT_STOP_MARGIN_S
 from agent.worker.control import StartFailed, SystemdWorker
@@ -394,3 +394,11 @@ def test_a_start_with_a_probe_cancelled_while_it_waits_ends_cancelled() -> None:
         assert start.cancelled(), start.exception()
 
     asyncio.run(go())
+
+
+def test_the_host_s_other_jobs_are_not_kept_for_the_front_s_whole_life() -> None:
+    systemd = DbusSystemd()
+    for n in range(10 * FINISHED_KEPT):
+        systemd._on_job_removed(n, f"/org/freedesktop/systemd1/job/{n}", f"o{n}.service", "done")
+    assert len(systemd._finished) == FINISHED_KEPT
+    assert f"/org/freedesktop/systemd1/job/{10 * FINISHED_KEPT - 1}" in systemd._finished
