@@ -364,10 +364,10 @@ class SystemdWorker:
                 )
                 try:
                     await watching
-                except BaseException:
+                except BaseException as e:
                     self._watching = False  # the next start tries again
-                    if failing is None:
-                        raise
+                    if failing is None or isinstance(e, asyncio.CancelledError):
+                        raise  # (a cancel is the caller's, whatever failed before it)
         if not done:
             raise StartFailed(
                 f"worker did not become ready within {self.start_timeout_s:g} s",
