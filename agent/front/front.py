@@ -63,7 +63,8 @@ STATUS_EVERY_S = 1.0
 # starts it asked for (polkit holds each for milliseconds, or hundreds of them on a busy
 # host): one budget for its own wait and its worker stop's (dbus-next bounds neither), well
 # within the front's TimeoutStopSec= margin over stop_timeout_s (units.FRONT_STOP_MARGIN_S),
-# which is also to hold the worker's stop.
+# which is also to hold the worker's stop. (A stop by SIGTERM drains requests first for up
+# to stop_timeout_s; this wait and the worker's stop then share the margin.)
 START_ANSWER_WAIT_S = 10.0
 
 Notify = Callable[[str], object]
