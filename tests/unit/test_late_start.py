@@ -402,3 +402,28 @@ def test_the_host_s_other_jobs_are_not_kept_for_the_front_s_whole_life() -> None
         systemd._on_job_removed(n, f"/org/freedesktop/systemd1/job/{n}", f"o{n}.service", "done")
     assert len(systemd._finished) == FINISHED_KEPT
     assert f"/org/freedesktop/systemd1/job/{10 * FINISHED_KEPT - 1}" in systemd._finished
+
+
+def test_a_cancel_while_a_failed_start_waits_for_its_watch_is_a_cancel() -> None:
+    """The start failed, and its cleanup waits for the unit's watch to be set up: a
+    release's cancel that lands there is raised, not taken for the start's failure."""
+
+    class SlowWatch(FakeSystemd):
+        async def watch(self, name: str, callback: Any) -> None:
+            await asyncio.sleep(5)
+
+        async def start_unit(self, name: str) -> str:
+            raise DBusError("org.freedesktop.DBus.Error.AccessDenied", "denied")
+
+    fake = SlowWatch()
+    w = SystemdWorker(fake, "demo", start_timeout_s=5, ready=Ready("tcp"))
+
+    async def go() -> None:
+        start = asyncio.ensure_future(w.start({"PROVIDERD_WORKER_PORT": "9"}, None))
+        await asyncio.sleep(0.2)  # its StartUnit failed; its watch is still being set up
+        assert not start.done()
+        start.cancel()
+        await asyncio.wait({start})
+        assert start.cancelled(), start.exception()
+
+    asyncio.run(go())
