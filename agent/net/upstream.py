@@ -109,10 +109,7 @@ class Upstream:
         try:
             await fut
         except BaseException:
-            if fut.done() and not fut.cancelled():
-                self.release()  # granted and cancelled in the same turn: pass it on
-            elif fut in self._waiters:
-                self._waiters.remove(fut)
+            self.leave(fut)  # granted and cancelled in the same turn: the slot passes on
             raise
 
     def release(self) -> None:
