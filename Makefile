@@ -28,7 +28,7 @@ DEB_INPUTS := $(shell git ls-files -co --exclude-standard agent units packaging 
 
 # Debian packages: what the venv and `make demo` need, then what the test tiers add.
 # (The .deb's own dependencies come from its control file.)
-BASE_PACKAGES := python3 python3-venv python3-systemd python3-dbus-next python3-uvloop curl git ca-certificates
+BASE_PACKAGES := python3 python3-venv python3-systemd python3-dbus-next python3-uvloop python3-prometheus-client curl git ca-certificates
 TEST_PACKAGES := \
 	systemd systemd-container dbus debootstrap qemu-system-x86 util-linux iproute2 procps \
 	debhelper dh-python pybuild-plugin-pyproject python3-all python3-setuptools \
