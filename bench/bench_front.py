@@ -7,8 +7,10 @@ The overhead is the difference of the medians (the target is ≤ 10 ms). Between
 provider is released with `providerctl stop`, so each round is a real cold start
 (front → worker wrapper → model → readiness → proxy).
 
-Memory: the serve process's RSS while 1,000 clients are held waiting for a worker that
-takes 3 s to load (it does not listen before), compared with its RSS idle.
+Memory: the serve process's RSS while 1,000 requests are held waiting for a worker that
+takes 3 s to load (it does not listen before), compared with its RSS idle: GETs, then
+POSTs of 1 MiB whose clients have sent 300 KB (the front reads ahead at most HELD_MAX of a
+held body; the rest waits in the kernel's socket buffers, and the client's).
 
     python3 bench/bench_front.py [--runs N]
 
@@ -148,21 +150,39 @@ def cold(served: Served, port: int) -> float:
     return time.perf_counter() - t0
 
 
-def held_memory(tmp: Path, worker: Path, n: int) -> tuple[int, int]:
+HELD_BODY = 300_000  # of a 1 MiB upload, sent before the front stops reading
+
+
+def held_memory(tmp: Path, worker: Path, n: int, body: bool) -> tuple[int, int]:
+    """The serve process's RSS idle, then holding `n` requests while the worker loads:
+    each a GET, or (`body`) a POST of 1 MiB whose client sent its head and what the kernel
+    took of HELD_BODY bytes before the front stopped reading it."""
     port = free_port()
     served = Served(tmp, worker, port, 3.0, max_held=n + 100)  # every one held, none refused
+    if body:
+        request = (
+            b"POST / HTTP/1.1\r\nHost: bench\r\nContent-Length: %d\r\n\r\n" % (1 << 20)
+            + b"x" * HELD_BODY
+        )
+    else:
+        request = REQUEST
     try:
         time.sleep(0.5)
         idle = served.rss()
         clients = []
         for _ in range(n):
             c = socket.create_connection(("127.0.0.1", port))
-            c.sendall(REQUEST)
+            c.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sent = 0
+                while sent < len(request):
+                    sent += c.send(request[sent:])
             clients.append(c)
         time.sleep(1.0)  # all accepted and held; the worker is still loading
         holding = served.rss()
         for c in clients:
             with contextlib.suppress(OSError):
+                c.setblocking(True)
                 c.settimeout(30)
                 c.recv(1)
             c.close()
@@ -194,7 +214,7 @@ def main() -> int:
                 fronts.append(cold(served, port))
         finally:
             served.close()
-        idle_rss, held_rss = held_memory(tmp, worker, args.held)
+        held = {body: held_memory(tmp, worker, args.held, body) for body in (False, True)}
 
     d50, f50 = statistics.median(directs), statistics.median(fronts)
     lines = [
@@ -207,11 +227,16 @@ def main() -> int:
         f"  through the front (cold)           {f50 * 1000:8.1f} ms {sorted(fronts)[int(0.9 * len(fronts))] * 1000:8.1f} ms",
         f"  overhead the front adds            {(f50 - d50) * 1000:8.1f} ms   (target ≤ 10 ms)",
         "",
-        f"memory of `providerctl serve` holding {args.held} connections during a load",
-        f"  idle                               {idle_rss / 2**20:8.1f} MiB",
-        f"  holding {args.held:<5}                      {held_rss / 2**20:8.1f} MiB",
-        f"  per held connection                {(held_rss - idle_rss) / args.held / 1024:8.1f} KiB",
+        f"memory of `providerctl serve` holding {args.held} requests during a load",
+        "(its RSS growth; the held read-ahead of a body is agent.net.exchange.HELD_MAX)",
     ]
+    for body, (idle_rss, held_rss) in held.items():
+        what = f"POST of 1 MiB, {HELD_BODY:,} B sent" if body else "GET"
+        per = (held_rss - idle_rss) / args.held
+        lines += [
+            f"  {what}: idle {idle_rss / 2**20:.1f} MiB, holding {held_rss / 2**20:.1f} MiB",
+            f"    per held request               {per:8,.0f} B   (target ≤ 8,192 B)",
+        ]
     text = "\n".join(lines) + "\n"
     print(text, end="")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

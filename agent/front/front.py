@@ -109,6 +109,8 @@ class _Worker:
         self.slug = front.provider.slug
         self.request_timeout_s = front.provider.request_timeout_s
         self.upstream = front.upstream
+        # Backend.ready, the front's own: a held request waits in one coroutine less.
+        self.ready = front.ready
         # A host-network worker admits only its own loopback address: connect from it.
         self.source = front.worker_host if front.worker_host != "127.0.0.1" else None
 
@@ -131,9 +133,6 @@ class _Worker:
     def ready_now(self) -> tuple[Address, int] | None:
         front = self.front
         return (front.address, front.generation) if front.state == State.READY else None
-
-    async def ready(self, may_start: bool = True) -> tuple[Address, int]:
-        return await self.front.ready(may_start=may_start)
 
     def alive(self, generation: int) -> bool:
         front = self.front
@@ -386,7 +385,7 @@ class Front:
             self.waiters.append(future)
             try:
                 self._dispatch(Event.DEMAND, cause)
-                served = await asyncio.shield(future)
+                served = await future  # a waiter cancelled in the same turn: skipped (done)
             except Unavailable as e:
                 if cause == "request":
                     self.counters.count_refused(e.code)  # gpu_unavailable or start_failed

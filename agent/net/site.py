@@ -80,7 +80,7 @@ class Backend(Protocol):
         TCP connection (None). May raise Unavailable."""
         ...
 
-    async def ready(self, may_start: bool = True) -> tuple[Address, int]:
+    async def ready(self, *, may_start: bool = True) -> tuple[Address, int]:
         """Wait until the worker answers; return its address and a generation number that
         changes with every worker start. Raises Unavailable. Cancelled when the client goes
         away while it waits; the load must go on regardless."""
@@ -178,11 +178,11 @@ class FrontSite:
         if place is not None:
             await backend.upstream.wait(place)
         else:
-            await backend.ready(may_start)
+            await backend.ready(may_start=may_start)
             await backend.upstream.acquire(backend.waiting_for_start())
         ex.slot = True
         # The worker may have been replaced while this request waited for its slot.
-        return await backend.ready(may_start)
+        return await backend.ready(may_start=may_start)
 
     def kept(self, ex: Exchange, target: Target) -> UpstreamConn | None:
         up = self.backend.upstream.take_idle(target[1])
