@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import socket
 import time
 from collections import deque
@@ -186,13 +187,18 @@ async def connect_retrying(
     source: str | None = None,
 ) -> socket.socket:
     """Connect to `address` (from `source`); a refused, reset or would-block connect is tried
-    again with a growing delay while `alive()` and for at most RETRY_FOR_S. Raises OSError."""
+    again with a growing delay while `alive()`. All of it takes at most RETRY_FOR_S, a connect
+    the worker never completes too (its accept queue full, the kernel drops the SYNs: else
+    up to two minutes of retransmits). Raises OSError (TimeoutError at the deadline)."""
     delay = RETRY_FIRST_S
     give_up = loop.time() + RETRY_FOR_S
     while True:
         try:
-            return await connect(loop, address, source)
+            async with asyncio.timeout_at(give_up):
+                return await connect(loop, address, source)
         except OSError as e:
+            if e.errno is None:  # the deadline (asyncio's TimeoutError)
+                raise TimeoutError(errno.ETIMEDOUT, os.strerror(errno.ETIMEDOUT)) from None
             if e.errno not in RETRYABLE or not alive() or loop.time() + delay > give_up:
                 raise
         await asyncio.sleep(delay)

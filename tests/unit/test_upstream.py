@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 
 import pytest
 
 from agent.net import upstream
 from agent.net.site import FrontSite
+from agent.net.sockio import error_text
 from agent.net.upstream import QueueFull, Upstream
 from agent.spec.provider import Address
 
@@ -193,3 +196,39 @@ def test_no_more_connections_are_kept_than_the_limit() -> None:
     assert [conn.closed for conn in conns] == [False, False, True]
     assert pool.take_idle(1) is conns[1] and pool.take_idle(1) is conns[0]
     assert pool.take_idle(1) is None
+
+
+def test_a_connect_the_worker_never_completes_gives_up_at_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker that stopped accepting, its accept queue full: the kernel drops the SYNs and
+    a connect would wait through two minutes of retransmits. It ends at RETRY_FOR_S."""
+    monkeypatch.setattr(upstream, "RETRY_FOR_S", 0.3)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)  # never accepted: one connection fills the queue
+        port = server.getsockname()[1]
+        queued = []
+        for _ in range(3):
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(("127.0.0.1", port))
+            queued.append(c)
+
+        async def main() -> tuple[OSError, float]:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            with pytest.raises(OSError) as raised:
+                await asyncio.wait_for(
+                    upstream.connect_retrying(loop, Address("127.0.0.1", port), lambda: True), 5
+                )
+            return raised.value, loop.time() - t0
+
+        try:
+            error, took = asyncio.run(main())
+        finally:
+            for c in queued:
+                c.close()
+    assert isinstance(error, TimeoutError) and error.errno == errno.ETIMEDOUT, error
+    assert error_text(error) == "Connection timed out"
+    assert took < 4  # not asyncio.wait_for's 5 s: the deadline's own
