@@ -24,7 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agent.net.http import ChunkedScanner, HttpError, find_head_end, parse_request_head  # noqa: E402
+from agent.net.chunked import ChunkedScanner  # noqa: E402
+from agent.net.http import HttpError, find_head_end, parse_request_head  # noqa: E402
 
 CASES: list[tuple[str, bytes]] = [
     ("plain GET", b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"),

@@ -25,9 +25,10 @@ from typing import Any
 from agent.errors import ProviderdError
 from agent.net import splice
 from agent.net.answers import Answer, made_up
+from agent.net.chunked import ChunkedScanner
 from agent.net.client import PAUSE_UPSTREAM, PAUSE_WAIT, ClientConn
 from agent.net.contract import Lease, Site, Target
-from agent.net.http import ChunkedScanner, HttpError, RequestHead, ResponseHead, error_response
+from agent.net.http import HttpError, RequestHead, ResponseHead, error_response
 from agent.net.sockio import BUFFER_SIZE, error_text
 from agent.net.splice import Pump
 from agent.net.streaming import Streaming

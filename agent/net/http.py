@@ -3,8 +3,8 @@
 The proxy forwards every message byte for byte; this module only tells it where
 a message head ends, what the head says about the body that follows (none,
 Content-Length, chunked, close-delimited, or a tunnel after an upgrade), whether
-the connection stays open, and where a chunked body ends. It never rewrites a
-head: what a client sent is what the worker receives.
+the connection stays open; where a chunked body ends is agent.net.chunked's. It never
+rewrites a head: what a client sent is what the worker receives.
 
 Since the worker reads the same bytes with a parser of its own, a request is accepted
 only when there is one reading of it: CRLF line endings only, one Content-Length
@@ -13,10 +13,6 @@ HTTP/1.1, no framing field spelt with an underscore, strict chunk-size lines (no
 spaces, no bare CR or LF). Anything else is refused with 400, so no worker can see a
 request boundary the front did not (request smuggling past the leases and
 `idle_ignore_paths`). Responses from the worker are read more leniently.
-
-Why this module is over 400 lines: request and response framing share one set of field
-rules and one chunked scanner, and the strictness above is only checkable read as a
-whole; each part is small and tested on its own (tests/unit/test_http*.py).
 """
 
 from __future__ import annotations
@@ -38,7 +34,6 @@ Body = Literal["none", "length", "chunked", "close", "tunnel"]
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _TARGET = re.compile(r"[\x21-\x7e\x80-\xff]+")  # visible characters, no spaces or controls
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _REASONS = {
     100: "Continue",
     101: "Switching Protocols",
@@ -152,14 +147,14 @@ def skip_empty_lines(buf: bytes | bytearray, start: int, end: int) -> int:
 
 Buffer = bytes | bytearray
 
-_TOKEN_CHARS = rb"!#$%&'*+\-.^_`|~0-9A-Za-z"
+TOKEN_CHARS = rb"!#$%&'*+\-.^_`|~0-9A-Za-z"
 _REQUEST_LINE = re.compile(
-    rb"([" + _TOKEN_CHARS + rb"]+) ([\x21-\x7e\x80-\xff]+) HTTP/([0-9])\.([0-9])\r\n"
+    rb"([" + TOKEN_CHARS + rb"]+) ([\x21-\x7e\x80-\xff]+) HTTP/([0-9])\.([0-9])\r\n"
 )
 _STATUS_LINE = re.compile(rb"HTTP/([0-9])\.([0-9]) ([0-9]{3})(?: ([^\r\n]*))?\r?\n")
 # Possessive (nothing in a field line is ever given back): 10 % less time on a typical head.
-_BLOCK = re.compile(rb"(?:[" + _TOKEN_CHARS + rb"]++:[^\r\n\x00]*+\r?\n)*+\r?\n")
-_STRICT_BLOCK = re.compile(rb"(?:[" + _TOKEN_CHARS + rb"]++:[^\r\n\x00]*+\r\n)*+\r\n")
+_BLOCK = re.compile(rb"(?:[" + TOKEN_CHARS + rb"]++:[^\r\n\x00]*+\r?\n)*+\r?\n")
+_STRICT_BLOCK = re.compile(rb"(?:[" + TOKEN_CHARS + rb"]++:[^\r\n\x00]*+\r\n)*+\r\n")
 # A framing field's name at the start of a line, searched in a lowercased copy of the
 # block from the line feed before it: a pattern that begins with a literal is searched
 # for that literal first (an IGNORECASE ^-anchored one is tried at every byte: 2.2 against
@@ -392,96 +387,6 @@ def parse_response_head(
     return ResponseHead(
         version, status, reason, bytes(buf[m.end() : end]), body, length, keep_alive
     )
-
-
-class ChunkedScanner:
-    """Follows a chunked body (RFC 9112 §7.1) as its bytes pass, to find where it ends.
-
-    Chunk extensions and trailer fields are accepted and passed on untouched. `strict`
-    (a request's body): lines end in CRLF, a size line is hex digits and extensions with
-    no spaces or control characters, trailers are well-formed fields.
-    """
-
-    __slots__ = ("_line", "_remaining", "_state", "_strict", "_trailers")
-
-    _SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
-
-    def __init__(self, strict: bool = False) -> None:
-        self._strict = strict
-        self._state = self._SIZE
-        self._remaining = 0
-        self._line = bytearray()
-        self._trailers = 0
-
-    @property
-    def done(self) -> bool:
-        return self._state == self._DONE
-
-    def scan(self, buf: bytes | bytearray, start: int, end: int) -> int:
-        """Follow buf[start:end]. Returns the index just past the body's last byte if the
-        body ends there, else -1 (every byte belongs to the body). Raises HttpError(400)."""
-        pos = start
-        while pos < end:
-            state = self._state
-            if state == self._DATA:
-                take = min(self._remaining, end - pos)
-                pos += take
-                self._remaining -= take
-                if self._remaining == 0:
-                    self._state = self._DATA_END
-                continue
-            if state == self._DONE:
-                return pos
-            nl = buf.find(b"\n", pos, end)
-            if nl < 0:
-                self._line += buf[pos:end]
-                if len(self._line) > MAX_CHUNK_LINE:
-                    raise HttpError(400, "chunk line too long")
-                return -1
-            if self._line:
-                self._line += buf[pos:nl]
-                line = bytes(self._line)
-                self._line.clear()
-            else:
-                line = bytes(buf[pos:nl])
-            pos = nl + 1
-            if len(line) > MAX_CHUNK_LINE:
-                raise HttpError(400, "chunk line too long")
-            if line.endswith(b"\r"):
-                line = line[:-1]
-            elif self._strict:
-                raise HttpError(400, "a chunk line ends in a bare LF, not CRLF")
-            if self._strict:
-                self._check(state, line)
-            if state == self._SIZE:
-                size = line.split(b";", 1)[0].strip(b" \t")
-                if not _HEX.fullmatch(size):
-                    raise HttpError(400, f"malformed chunk size {line[:20]!r}")
-                self._remaining = int(size, 16)
-                self._state = self._DATA if self._remaining else self._TRAILER
-            elif state == self._DATA_END:
-                if line:
-                    raise HttpError(400, "chunk data longer than its size")
-                self._state = self._SIZE
-            else:  # trailer section
-                if not line:
-                    self._state = self._DONE
-                    return pos
-                self._trailers += 1
-                if self._trailers > MAX_HEADERS:
-                    raise HttpError(400, "too many trailer fields")
-        return pos if self._state == self._DONE else -1
-
-    def _check(self, state: int, line: bytes) -> None:
-        if state == self._SIZE:
-            if not _STRICT_CHUNK_SIZE.fullmatch(line):
-                raise HttpError(400, f"malformed chunk size line {line[:20]!r}")
-        elif state == self._TRAILER and line and not _STRICT_TRAILER.fullmatch(line):
-            raise HttpError(400, f"malformed trailer field {line[:20]!r}")
-
-
-_STRICT_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}(?:;[\x21-\x7e]+)*")
-_STRICT_TRAILER = re.compile(rb"[" + _TOKEN_CHARS + rb"]+:[^\r\n\x00]*")
 
 
 def error_response(

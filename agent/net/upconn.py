@@ -16,10 +16,10 @@ from typing import Protocol, cast
 
 from agent.errors import ProviderdError
 from agent.net import splice
+from agent.net.chunked import ChunkedScanner
 from agent.net.headcache import response_head
 from agent.net.http import (
     MAX_HEAD,
-    ChunkedScanner,
     HttpError,
     ResponseHead,
     find_head_end,

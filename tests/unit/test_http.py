@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from agent.net.chunked import ChunkedScanner
 from agent.net.http import (
     MAX_HEADERS,
-    ChunkedScanner,
     HttpError,
     error_response,
     find_head_end,

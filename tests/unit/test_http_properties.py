@@ -15,9 +15,9 @@ import h11
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from agent.net.chunked import ChunkedScanner
 from agent.net.http import (
     MAX_HEAD,
-    ChunkedScanner,
     HttpError,
     find_head_end,
     parse_request_head,

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from agent.net.http import ChunkedScanner
+from agent.net.chunked import ChunkedScanner
 from agent.router import table as routing
 from agent.router.table import Refusal, Table, dechunk, model_of, quoted, target_address
 from agent.spec.provider import Address, Provider
