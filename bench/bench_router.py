@@ -228,10 +228,13 @@ def in_process(n: int, rounds: int, profile: bool = False) -> dict[str, float]:
         def close(self) -> None:
             pass
 
-    def feed(protocol: asyncio.BufferedProtocol, data: bytes) -> None:
-        buf = protocol.get_buffer(len(data))
-        buf[: len(data)] = data
-        protocol.buffer_updated(len(data))
+    def feed(protocol: asyncio.BaseProtocol, data: bytes) -> None:
+        if isinstance(protocol, asyncio.BufferedProtocol):
+            buf = protocol.get_buffer(len(data))
+            buf[: len(data)] = data
+            protocol.buffer_updated(len(data))
+        else:
+            protocol.data_received(data)  # type: ignore[attr-defined]
 
     async def per_request(name: str) -> float:
         up = UpstreamConn(0, "upstream")

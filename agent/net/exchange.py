@@ -330,13 +330,13 @@ class Exchange(Streaming):
         self.resp = resp
         self.started = True
 
-    def on_whole(self, resp: ResponseHead, data: memoryview, reusable: bool) -> None:
+    def on_whole(self, resp: ResponseHead, data: bytes | memoryview, reusable: bool) -> None:
         """A final response that came whole (head and body), in one write."""
         self.on_final(resp)
         self.conn.write(data)
         self.on_end(reusable)
 
-    def on_data(self, data: memoryview) -> None:
+    def on_data(self, data: bytes | memoryview) -> None:
         self.last = self.loop.time()
         self.conn.write(data)
 

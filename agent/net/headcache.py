@@ -38,7 +38,7 @@ def request_head(buf: bytearray, start: int, end: int) -> RequestHead:
     return req
 
 
-def response_head(buf: bytearray, method: str, start: int, end: int) -> ResponseHead:
+def response_head(buf: bytes | bytearray, method: str, start: int, end: int) -> ResponseHead:
     """parse_response_head(buf, method, start, end), remembered for the methods whose
     responses are framed alike (all but HEAD and CONNECT). Raises HttpError."""
     if end - start > KEY_MAX or method == "HEAD" or method == "CONNECT":

@@ -3,10 +3,12 @@ router), as an asyncio protocol that relays HTTP responses to the client.
 
 It reads interim (1xx) responses and the final head, then the body in its framing
 (Content-Length, chunked, until EOF; after a tunnel's head, everything) and hands each
-piece to the exchange it serves as it arrives, unchanged. A read lends a pooled buffer:
-BUFFER_SIZE, or BULK_SIZE once a read fills one; nothing is held between reads except
-a head still incomplete. Between requests the connection may be kept (agent.upstream);
-while kept, an EOF or any byte makes it unusable at once.
+piece to the exchange it serves as it arrives, unchanged. Reads come as bytes (the loop's
+own buffer, up to 256 KiB a read): a response that came whole in one read goes on to the
+client as that same object, with no copy. Nothing is held between reads except a head
+still incomplete. Between requests the connection may be kept (agent.upstream); while
+kept, an EOF or any byte makes it unusable at once. (The client's side reads into lent
+buffers instead, agent.net.client: what it reads ahead of a held request is bounded.)
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from agent.net.http import (
     ResponseHead,
     find_head_end,
 )
-from agent.net.sockio import BUFFER_SIZE, BULK_SIZE, give, take
+from agent.net.sockio import BULK_SIZE
 
 IDLE, HEAD, BODY, TUNNEL = range(4)
 
@@ -34,8 +36,8 @@ class Exchange(Protocol):
 
     def on_interim(self, resp: ResponseHead, head: memoryview) -> None: ...
     def on_final(self, resp: ResponseHead) -> None: ...
-    def on_whole(self, resp: ResponseHead, data: memoryview, reusable: bool) -> None: ...
-    def on_data(self, data: memoryview) -> None: ...
+    def on_whole(self, resp: ResponseHead, data: bytes | memoryview, reusable: bool) -> None: ...
+    def on_data(self, data: bytes | memoryview) -> None: ...
     def on_end(self, reusable: bool) -> None: ...
     def on_tunnel(self, up: UpstreamConn) -> None: ...
     def tunnel_eof(self, up: UpstreamConn) -> None: ...
@@ -52,11 +54,9 @@ class UpstreamGone(ProviderdError):
     code = "worker_gone"
 
 
-class UpstreamConn(asyncio.BufferedProtocol):
+class UpstreamConn(asyncio.Protocol):
     __slots__ = (
         "body",
-        "buf",
-        "bulk",
         "clean",
         "dead",
         "e",
@@ -66,8 +66,8 @@ class UpstreamConn(asyncio.BufferedProtocol):
         "left",
         "method",
         "peer",
+        "pending",
         "phase",
-        "s",
         "scanner",
         "transport",
     )
@@ -77,14 +77,12 @@ class UpstreamConn(asyncio.BufferedProtocol):
         self.peer = peer  # "worker", "provider": for messages
         self.transport: asyncio.Transport | None = None
         self.ex: Exchange | None = None
-        self.buf: bytearray | None = None
-        self.s = self.e = 0
+        self.pending = b""  # the start of a head, until the rest comes
         self.phase = IDLE
         self.method = "GET"
         self.body = "none"
         self.left = 0
         self.scanner: ChunkedScanner | None = None
-        self.bulk = False
         self.dead = False
         self.eof = False
         self.clean = False  # the last response ended with nothing after it
@@ -99,7 +97,7 @@ class UpstreamConn(asyncio.BufferedProtocol):
         self.ex = None
         if self.transport is not None:
             self.transport.close()
-        self.drop_buffer()
+        self.pending = b""
 
     def rest(self) -> None:
         """Between requests: no exchange, and reading on (a response that ended while the
@@ -122,7 +120,6 @@ class UpstreamConn(asyncio.BufferedProtocol):
         self.method = method
         self.phase = HEAD
         self.clean = False
-        self.bulk = False
         self.write(data)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -134,17 +131,11 @@ class UpstreamConn(asyncio.BufferedProtocol):
         """The rest of the body went by splice (agent.net.splice): the response ends here."""
         self.left = 0
         if self.ex is not None:
-            self.end(self.ex)
+            self.end(self.ex, True)
 
     def body_rest(self, left: int) -> None:
         """The splice was declined: the body's last `left` bytes come through here."""
         self.left = left
-
-    def drop_buffer(self) -> None:
-        if self.buf is not None:
-            give(self.buf)
-            self.buf = None
-        self.s = self.e = 0
 
     # -- asyncio callbacks
 
@@ -152,138 +143,120 @@ class UpstreamConn(asyncio.BufferedProtocol):
         self.transport = cast(asyncio.Transport, transport)
         self.transport.set_write_buffer_limits(high=BULK_SIZE)
 
-    def get_buffer(self, sizehint: int) -> memoryview:
-        buf = self.buf
-        if buf is None:
-            buf = self.buf = take(BULK_SIZE if self.bulk else BUFFER_SIZE)
-            self.s = self.e = 0
-        elif self.e == len(buf):
-            pending = self.e - self.s
-            buf[:pending] = buf[self.s : self.e]
-            self.s, self.e = 0, pending
-        return memoryview(buf)[self.e :]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        assert self.buf is not None
-        self.e += nbytes
+    def data_received(self, data: bytes) -> None:
         ex = self.ex
         if ex is None or self.phase == IDLE:
             self.close()  # bytes nobody asked for: never to be kept
             return
-        full = self.e == len(self.buf)
+        if self.pending:
+            data, self.pending = self.pending + data, b""
         try:
-            self.relay(ex)
+            self.relay(ex, data)
         except HttpError as err:
-            self.drop_buffer()
+            self.pending = b""
             if self.ex is ex:
                 ex.upstream_failed(err)
-            return
         except Exception as e:  # a bug must cost this exchange, never the process's log
-            self.drop_buffer()
+            self.pending = b""
             self.close()
             ex.upstream_failed(HttpError(502, f"failed to relay the response: {e}"))
-            return
-        if self.s == self.e:
-            self.drop_buffer()
-            if full and self.phase in (BODY, TUNNEL):
-                self.bulk = True  # a busy stream: fewer, larger reads
 
-    def relay(self, ex: Exchange) -> None:
-        buf = self.buf
-        assert buf is not None
-        view = memoryview(buf)
-        while self.s < self.e and self.ex is ex:
-            s, e = self.s, self.e
+    def relay(self, ex: Exchange, data: bytes) -> None:
+        view = memoryview(data)
+        s, e = 0, len(data)
+        while s < e and self.ex is ex:
             if self.phase == HEAD:
-                head_end = find_head_end(buf, s, e)
+                head_end = find_head_end(data, s, e)
                 if head_end < 0:
                     if e - s >= MAX_HEAD:
                         too_big = f"the {self.peer} sent a head larger than {MAX_HEAD} bytes"
                         raise HttpError(502, too_big)
+                    self.pending = data[s:]
                     return
-                resp = response_head(buf, self.method, s, head_end)
+                resp = response_head(data, self.method, s, head_end)
                 body = resp.body
                 if resp.status < 200 and body != "tunnel":
-                    self.s = head_end
                     ex.on_interim(resp, view[s:head_end])
+                    s = head_end
                     continue
                 if body == "none" or (body == "length" and e - head_end >= resp.length):
                     # The usual small response: head and body in this read, relayed in one
-                    # write, and over (as end() below, in one call to the exchange).
-                    self.s = at = head_end + resp.length
+                    # write (this very object when it is all of the read), and over (as
+                    # end() below, in one call to the exchange).
+                    at = head_end + resp.length
                     self.left = 0
                     self.phase = IDLE
                     self.clean = at == e and not self.eof and not self.dead
-                    ex.on_whole(resp, view[s:at], self.clean)
+                    ex.on_whole(resp, data if s == 0 and at == e else view[s:at], self.clean)
+                    s = at
                     continue
                 ex.on_final(resp)
                 self.body, self.left = resp.body, resp.length
-                if resp.body == "tunnel":
-                    self.s = e
+                if body == "tunnel":
                     self.phase = TUNNEL
-                    ex.on_data(view[s:e])
+                    ex.on_data(_part(data, view, s, e))
                     ex.on_tunnel(self)
                     return
                 self.phase = BODY
                 # The head goes with whatever of the body came with it: one write, not two.
-                if resp.body == "length":
+                if body == "length":
                     k = min(e - head_end, self.left)
                     self.left -= k
-                    self.s = head_end + k
-                    ex.on_data(view[s : self.s])  # not all of it: else on_whole above
+                    ex.on_data(_part(data, view, s, head_end + k))  # not all: else on_whole
+                    s = head_end + k
                     if self.left >= splice.SPLICE_MIN and ex.splice_response(self):
                         return
                     continue
-                self.scanner = ChunkedScanner() if resp.body == "chunked" else None
-                self.s = head_end
+                self.scanner = ChunkedScanner() if body == "chunked" else None
                 if self.scanner is not None:
-                    at = self.chunks(buf, head_end, e)
-                    self.s = at if at >= 0 else e
-                    ex.on_data(view[s : self.s])
-                    if at >= 0:
-                        self.end(ex)
+                    at = self.chunks(data, head_end, e)
+                    ex.on_data(_part(data, view, s, at if at >= 0 else e))
+                    if at < 0:
+                        return
+                    s = at
+                    self.end(ex, s == e)
                     continue
-                self.s = e
-                ex.on_data(view[s:e])
-                continue
+                ex.on_data(_part(data, view, s, e))
+                return
             if self.phase == TUNNEL:
-                self.s = e
-                ex.on_data(view[s:e])
+                ex.on_data(_part(data, view, s, e))
                 return
             # BODY
             if self.body == "length":
                 k = min(e - s, self.left)
                 self.left -= k
-                self.s = s + k
-                ex.on_data(view[s : s + k])
+                ex.on_data(_part(data, view, s, s + k))
+                s += k
                 if self.left == 0:
-                    self.end(ex)
+                    self.end(ex, s == e)
                 elif self.left >= splice.SPLICE_MIN and ex.splice_response(self):
                     return
             elif self.scanner is not None:
-                at = self.chunks(buf, s, e)
-                self.s = at if at >= 0 else e
-                ex.on_data(view[s : self.s])
-                if at >= 0:
-                    self.end(ex)
+                at = self.chunks(data, s, e)
+                ex.on_data(_part(data, view, s, at if at >= 0 else e))
+                if at < 0:
+                    return
+                s = at
+                self.end(ex, s == e)
             else:  # close-delimited: the upstream's EOF ends it
-                self.s = e
-                ex.on_data(view[s:e])
+                ex.on_data(_part(data, view, s, e))
+                return
 
-    def chunks(self, buf: bytearray, s: int, e: int) -> int:
-        """Where the chunked body ends in buf[s:e], or -1. Raises HttpError (502)."""
+    def chunks(self, data: bytes, s: int, e: int) -> int:
+        """Where the chunked body ends in data[s:e], or -1. Raises HttpError (502)."""
         assert self.scanner is not None
         try:
-            return self.scanner.scan(buf, s, e)
+            return self.scanner.scan(data, s, e)
         except HttpError as err:
             raise HttpError(
                 502, f"the {self.peer} sent a malformed chunked body: {err.reason}"
             ) from None
 
-    def end(self, ex: Exchange) -> None:
+    def end(self, ex: Exchange, nothing_after: bool) -> None:
+        """The response is over; `nothing_after`: no byte followed it in its read."""
         self.phase = IDLE
         self.scanner = None
-        self.clean = self.s == self.e and not self.eof and not self.dead
+        self.clean = nothing_after and not self.eof and not self.dead
         if self.ex is ex:
             ex.on_end(self.clean)
 
@@ -297,7 +270,7 @@ class UpstreamConn(asyncio.BufferedProtocol):
             ex.tunnel_eof(self)
             return True
         if self.phase == BODY and self.body == "close":
-            self.end(ex)
+            self.end(ex, True)
             self.close()
             return False
         where = "before answering" if self.phase == HEAD else "in the middle of a response"
@@ -307,7 +280,7 @@ class UpstreamConn(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.dead = True
-        self.drop_buffer()
+        self.pending = b""
         ex, self.ex = self.ex, None
         if ex is None:
             return
@@ -324,3 +297,9 @@ class UpstreamConn(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         if self.ex is not None:
             self.ex.pause_client(False)
+
+
+def _part(data: bytes, view: memoryview, s: int, e: int) -> bytes | memoryview:
+    """data[s:e]: the bytes object itself when that is all of it (the client's side writes
+    it with no copy), else a view (copied there)."""
+    return data if s == 0 and e == len(data) else view[s:e]
