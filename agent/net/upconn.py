@@ -59,7 +59,6 @@ class UpstreamConn(asyncio.Protocol):
         "body",
         "clean",
         "dead",
-        "e",
         "eof",
         "ex",
         "generation",
