@@ -238,7 +238,7 @@ def core_python_us(n: int) -> float:
         def ready_now(self) -> tuple[Address, int]:
             return self.address, 1
 
-        async def ready(self, may_start: bool = True) -> tuple[Address, int]:
+        async def ready(self, *, may_start: bool = True) -> tuple[Address, int]:
             return self.address, 1
 
     request = b"GET /small HTTP/1.1\r\nHost: bench\r\n\r\n"

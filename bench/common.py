@@ -90,7 +90,7 @@ def always_ready_backend(worker_port: int) -> Any:
         def ready_now(self) -> tuple[Address, int]:
             return self.address, 1
 
-        async def ready(self, may_start: bool = True) -> tuple[Address, int]:
+        async def ready(self, *, may_start: bool = True) -> tuple[Address, int]:
             return self.address, 1
 
     return AlwaysReady()

@@ -3,9 +3,9 @@ router), as an asyncio protocol that relays HTTP responses to the client.
 
 It reads interim (1xx) responses and the final head, then the body in its framing
 (Content-Length, chunked, until EOF; after a tunnel's head, everything) and hands each
-piece to the exchange it serves as it arrives, unchanged. Reads come as bytes (the loop's
-own buffer, up to 256 KiB a read): a response that came whole in one read goes on to the
-client as that same object, with no copy. Nothing is held between reads except a head
+piece to the exchange it serves as it arrives, unchanged. Reads come as bytes (on uvloop,
+a copy of what one read put in the loop's own 256 KiB buffer): a response that came whole
+in one read goes on to the client as that same object, with no copy. Nothing is held between reads except a head
 still incomplete. Between requests the connection may be kept (agent.upstream); while
 kept, an EOF or any byte makes it unusable at once. (The client's side reads into lent
 buffers instead, agent.net.client: what it reads ahead of a held request is bounded.)
@@ -165,7 +165,7 @@ class UpstreamConn(asyncio.Protocol):
         s, e = 0, len(data)
         while s < e and self.ex is ex:
             if self.phase == HEAD:
-                head_end = find_head_end(data, s, e)
+                head_end = find_head_end(data, s, min(e, s + MAX_HEAD))  # a read: 256 KiB
                 if head_end < 0:
                     if e - s >= MAX_HEAD:
                         too_big = f"the {self.peer} sent a head larger than {MAX_HEAD} bytes"

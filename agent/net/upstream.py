@@ -193,11 +193,12 @@ async def connect_retrying(
     delay = RETRY_FIRST_S
     give_up = loop.time() + RETRY_FOR_S
     while True:
+        deadline = asyncio.timeout_at(give_up)
         try:
-            async with asyncio.timeout_at(give_up):
+            async with deadline:
                 return await connect(loop, address, source)
         except OSError as e:
-            if e.errno is None:  # the deadline (asyncio's TimeoutError)
+            if deadline.expired():
                 raise TimeoutError(errno.ETIMEDOUT, os.strerror(errno.ETIMEDOUT)) from None
             if e.errno not in RETRYABLE or not alive() or loop.time() + delay > give_up:
                 raise

@@ -334,7 +334,7 @@ async def spliced_front(address: Any, leases: Leases, timeout_s: float = 30.0) -
         def ready_now(self) -> tuple[Any, int]:
             return self.target
 
-        async def ready(self, may_start: bool = True) -> tuple[Any, int]:
+        async def ready(self, *, may_start: bool = True) -> tuple[Any, int]:
             return self.target
 
     site = FrontSite(Ready())

@@ -83,7 +83,7 @@ class FakeBackend:
         self.leases.append(lease)
         return lease
 
-    async def ready(self, may_start: bool = True) -> tuple[Address, int]:
+    async def ready(self, *, may_start: bool = True) -> tuple[Address, int]:
         self.waiting += 1
         try:
             await self.gate.wait()

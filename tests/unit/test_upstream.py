@@ -202,7 +202,8 @@ def test_a_connect_the_worker_never_completes_gives_up_at_the_deadline(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A worker that stopped accepting, its accept queue full: the kernel drops the SYNs and
-    a connect would wait through two minutes of retransmits. It ends at RETRY_FOR_S."""
+    a connect would wait through two minutes of retransmits. It ends at RETRY_FOR_S.
+    (Linux's loopback: a listen(0) queue holds one connection, and later SYNs are dropped.)"""
     monkeypatch.setattr(upstream, "RETRY_FOR_S", 0.3)
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
