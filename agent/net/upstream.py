@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from agent.errors import ProviderdError
-from agent.net.sockio import nodelay
+from agent.net.sockio import connect_to, nodelay
 from agent.spec.provider import Address
 
 RETRY_FIRST_S = 0.01
@@ -167,12 +167,14 @@ async def connect(
         host = address.host or "127.0.0.1"
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         target = (host, address.port or 0)
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setblocking(False)
+    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
     try:
         if source is not None and family != socket.AF_UNIX:
             sock.bind((source, 0))
-        await loop.sock_connect(sock, target)
+        if isinstance(target, tuple) and "%" in target[0]:
+            await loop.sock_connect(sock, target)  # a scoped IPv6 address: resolved for its scope
+        else:
+            await connect_to(loop, sock, target)
     except BaseException:
         sock.close()
         raise

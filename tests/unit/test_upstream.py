@@ -1,13 +1,20 @@
-"""The worker's side of the data path: slots in arrival order, kept connections."""
+"""The worker's side of the data path: slots in arrival order, kept connections, connects."""
 
 from __future__ import annotations
 
 import asyncio
 import errno
 import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from agent.net import loop as net_loop
 from agent.net import upstream
 from agent.net.site import FrontSite
 from agent.net.sockio import error_text
@@ -196,6 +203,101 @@ def test_no_more_connections_are_kept_than_the_limit() -> None:
     assert [conn.closed for conn in conns] == [False, False, True]
     assert pool.take_idle(1) is conns[1] and pool.take_idle(1) is conns[0]
     assert pool.take_idle(1) is None
+
+
+def loops() -> Iterator[Any]:
+    yield pytest.param(asyncio.run, id="asyncio")
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return
+    yield pytest.param(net_loop.run, id="uvloop")
+
+
+def listening(
+    family: int = socket.AF_INET, where: str | tuple[str, int] = ("127.0.0.1", 0)
+) -> socket.socket:
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.bind(where)
+    s.listen(8)
+    return s
+
+
+@pytest.mark.parametrize("run", list(loops()))
+def test_connects_reach_v4_v6_and_unix_listeners_and_a_refused_one_raises_its_errno(
+    run: Callable[[Coroutine[Any, Any, None]], None], tmp_path: Path
+) -> None:
+    listeners = [listening(), listening(socket.AF_UNIX, str(tmp_path / "w.sock"))]
+    addresses = [
+        Address("127.0.0.1", listeners[0].getsockname()[1]),
+        Address(None, None, str(tmp_path / "w.sock")),
+    ]
+    try:
+        listeners.append(listening(socket.AF_INET6, ("::1", 0)))
+        addresses.append(Address("::1", listeners[-1].getsockname()[1]))
+    except OSError:  # no IPv6 loopback here
+        pass
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        refused = Address("127.0.0.1", closed.getsockname()[1])
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            for address, server in zip(addresses, listeners, strict=True):
+                sock = await upstream.connect(loop, address)
+                try:
+                    accepted, _ = server.accept()
+                    with accepted:
+                        sock.send(b"x")
+                        assert accepted.recv(1) == b"x"
+                    assert not sock.getblocking()
+                finally:
+                    sock.close()
+            with pytest.raises(OSError) as raised:
+                await upstream.connect(loop, refused)
+            assert raised.value.errno == errno.ECONNREFUSED  # retried by connect_retrying
+
+        try:
+            run(main())
+        finally:
+            for s in listeners:
+                s.close()
+
+
+def test_a_connect_to_the_worker_starts_no_resolver_threads(tmp_path: Path) -> None:
+    """On uvloop, the loop's sock_connect resolves numeric addresses too, in libuv's thread
+    pool: the first connect of a cold start's first request started its four threads (3 ms,
+    10 under systemd on a busy host). The front's connects, the probe's and the request's,
+    start none: the process keeps its one thread. In a fresh interpreter: the pool, once
+    started, stays for the process's life."""
+    pytest.importorskip("uvloop")
+    script = textwrap.dedent(
+        """\
+        import asyncio, os, socket
+        from agent.net import loop as net_loop, upstream
+        from agent.spec.provider import Address, Ready
+        from agent.worker import readiness
+
+        async def main():
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                s.listen(8)
+                address = Address("127.0.0.1", s.getsockname()[1])
+                assert await readiness.answers(address, Ready("tcp"))
+                loop = asyncio.get_running_loop()
+                conn = await upstream.connect_retrying(loop, address, lambda: True)
+                conn.close()
+                print(type(loop).__module__, len(os.listdir("/proc/self/task")))
+
+        net_loop.run(main())
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["uvloop", "1"]
 
 
 def test_a_connect_the_worker_never_completes_gives_up_at_the_deadline(
