@@ -58,7 +58,8 @@ async def connect_to(
     timeout_s: float | None = None,
 ) -> None:
     """Connect the non-blocking `sock` to `target`: a numeric (host, port), or a unix socket
-    path. Raises OSError (TimeoutError after `timeout_s`, if given).
+    path. Raises OSError (TimeoutError after `timeout_s`, if given): a unix socket whose
+    accept queue is full raises EAGAIN at once, as a refused TCP connect does ECONNREFUSED.
 
     Not the loop's sock_connect: uvloop's resolves every address, numeric ones too, in
     libuv's thread pool, whose first use starts its four threads (3 ms of a cold start's

@@ -256,6 +256,22 @@ def test_connects_reach_v4_v6_and_unix_listeners_and_a_refused_one_raises_its_er
             with pytest.raises(OSError) as raised:
                 await upstream.connect(loop, refused)
             assert raised.value.errno == errno.ECONNREFUSED  # retried by connect_retrying
+            # A unix listener whose accept queue is full: "not now" at once, also retried.
+            with socket.socket(socket.AF_UNIX) as full:
+                full.bind(str(tmp_path / "full.sock"))
+                full.listen(0)
+                first = await upstream.connect(
+                    loop, Address(None, None, str(tmp_path / "full.sock"))
+                )
+                try:
+                    with pytest.raises(OSError) as raised:
+                        await upstream.connect(
+                            loop, Address(None, None, str(tmp_path / "full.sock"))
+                        )
+                    assert raised.value.errno == errno.EAGAIN
+                    assert raised.value.errno in upstream.RETRYABLE
+                finally:
+                    first.close()
 
         try:
             run(main())
