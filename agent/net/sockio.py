@@ -66,7 +66,11 @@ async def connect_to(
     first request, 2 of them the front's CPU; 10 ms under systemd on a busy host), and each
     later connect makes a round trip through it. A loopback connect is settled as soon as
     it is sent: looked at at once (poll, no wait, ~10 us); only one still under way waits
-    on the loop."""
+    on the loop. A host must be an IP address (names would be looked up here, blocking):
+    a scoped IPv6 one ("fe80::1%eth0") is turned into its 4-tuple first, numerically."""
+    if isinstance(target, tuple) and "%" in target[0]:  # connect_ex would drop the scope
+        flags = socket.AI_NUMERICHOST | socket.AI_NUMERICSERV
+        target = socket.getaddrinfo(*target, socket.AF_INET6, socket.SOCK_STREAM, 0, flags)[0][4]  # type: ignore[assignment]
     err = sock.connect_ex(target)
     if err == errno.EINPROGRESS:
         poller = select.poll()

@@ -171,10 +171,7 @@ async def connect(
     try:
         if source is not None and family != socket.AF_UNIX:
             sock.bind((source, 0))
-        if isinstance(target, tuple) and "%" in target[0]:
-            await loop.sock_connect(sock, target)  # a scoped IPv6 address: resolved for its scope
-        else:
-            await connect_to(loop, sock, target)
+        await connect_to(loop, sock, target)
     except BaseException:
         sock.close()
         raise

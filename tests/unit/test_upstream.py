@@ -17,7 +17,7 @@ import pytest
 from agent.net import loop as net_loop
 from agent.net import upstream
 from agent.net.site import FrontSite
-from agent.net.sockio import error_text
+from agent.net.sockio import connect_to, error_text
 from agent.net.upstream import QueueFull, Upstream
 from agent.spec.provider import Address
 
@@ -218,8 +218,12 @@ def listening(
     family: int = socket.AF_INET, where: str | tuple[str, int] = ("127.0.0.1", 0)
 ) -> socket.socket:
     s = socket.socket(family, socket.SOCK_STREAM)
-    s.bind(where)
-    s.listen(8)
+    try:
+        s.bind(where)
+        s.listen(8)
+    except OSError:
+        s.close()
+        raise
     return s
 
 
@@ -316,7 +320,9 @@ def test_a_connect_to_the_worker_starts_no_resolver_threads(tmp_path: Path) -> N
     assert r.stdout.split() == ["uvloop", "1"]
 
 
+@pytest.mark.parametrize("run", list(loops()))
 def test_a_connect_the_worker_never_completes_gives_up_at_the_deadline(
+    run: Callable[[Coroutine[Any, Any, tuple[OSError, float]]], tuple[OSError, float]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A worker that stopped accepting, its accept queue full: the kernel drops the SYNs and
@@ -344,10 +350,31 @@ def test_a_connect_the_worker_never_completes_gives_up_at_the_deadline(
             return raised.value, loop.time() - t0
 
         try:
-            error, took = asyncio.run(main())
+            error, took = run(main())
         finally:
             for c in queued:
                 c.close()
     assert isinstance(error, TimeoutError) and error.errno == errno.ETIMEDOUT, error
     assert error_text(error) == "Connection timed out"
     assert took < 4  # not asyncio.wait_for's 5 s: the deadline's own
+
+
+def test_a_scoped_ipv6_address_keeps_its_scope() -> None:
+    """connect_ex on a (host, port) pair drops an IPv6 address's scope (EINVAL for a
+    link-local one); connect_to keeps it, looked up numerically (no resolver): the connect
+    is tried on that interface (here none answers: unreachable or refused, not EINVAL)."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    target = ("fe80::1%lo", 9)
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM | socket.SOCK_NONBLOCK) as plain:
+        assert plain.connect_ex(target) == errno.EINVAL  # what connect_to must not do
+
+    async def main() -> OSError:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        with sock, pytest.raises(OSError) as raised:
+            await connect_to(loop, sock, target, timeout_s=1)
+        return raised.value
+
+    error = asyncio.run(main())
+    assert error.errno != errno.EINVAL, error
