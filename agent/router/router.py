@@ -112,7 +112,6 @@ class Router:
         self.notify = notify
         self.systemd = systemd
         self.busy = 0  # requests in flight, plus new connections within their grace
-        self.routed = 0
         self.done = asyncio.Event()
         self.origin = OriginCheck(config.addresses)
         self.in_flight = 0  # requests in flight
@@ -178,12 +177,13 @@ class Router:
 
     def begin(self, conn: ClientConn) -> None:
         """A request head arrived on `conn`."""
+        if self.busy > self.in_flight:  # some connection is fresh, within its grace: `conn`?
+            self.listening.first_request(conn)  # its grace, if fresh, becomes this request
         self.in_flight += 1
         self.busy += 1  # _busy(+1): nothing to do on the way up
-        self.listening.first_request(conn)  # its grace, if fresh, becomes this request
 
-    def end(self, conn: ClientConn) -> None:
-        self.routed += 1
+    def end(self) -> None:
+        """A request that `begin` counted is over."""
         self.in_flight -= 1
         if self.in_flight == 0 and self._quiet is not None:
             self._quiet.set()

@@ -51,7 +51,7 @@ class Routing(Protocol):
     keys: KeySet | None  # API keys; None: off
 
     def begin(self, conn: ClientConn) -> None: ...
-    def end(self, conn: ClientConn) -> None: ...
+    def end(self) -> None: ...
     def count(self, provider: str, model: str, status: int) -> None: ...
 
 
@@ -64,18 +64,17 @@ class _Lease:
     """A request in flight, with the API key the gate let it through with (None: keys off),
     so that its scope is checked against the key found once, by the gate."""
 
-    __slots__ = ("conn", "key", "router")
+    __slots__ = ("key", "router")
 
-    def __init__(self, router: Routing, conn: ClientConn, key: ApiKey | None) -> None:
+    def __init__(self, router: Routing, key: ApiKey | None) -> None:
         self.router: Routing | None = router
-        self.conn = conn
         self.key = key
-        router.begin(conn)
 
     def release(self) -> None:
-        if self.router is not None:
-            router, self.router = self.router, None
-            router.end(self.conn)
+        router = self.router
+        if router is not None:
+            self.router = None
+            router.end()
 
 
 class _Route:
@@ -164,7 +163,8 @@ class RouterSite:
 
     def lease(self, ex: Exchange) -> _Lease:
         key, self.passed = self.passed, None
-        return _Lease(self.router, ex.conn, key)
+        self.router.begin(ex.conn)
+        return _Lease(self.router, key)
 
     def collecting(self, ex: Exchange) -> None:
         ex.send_continue()

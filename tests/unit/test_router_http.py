@@ -603,6 +603,26 @@ def test_the_idle_time_counts_from_the_last_request(
     assert not r.thread.is_alive(), "the router did not exit once idle"
 
 
+@pytest.mark.parametrize("others", [0, 2])
+def test_a_new_connections_first_request_takes_over_its_grace(
+    start: Callable[..., RunningRouter], alpha: FakeProvider, others: int
+) -> None:
+    """A fresh connection counts as busy for FIRST_REQUEST_GRACE_S (5 s) or until its first
+    request: once that request is answered, the router is idle at once, the connection
+    kept open or not. With `others` connections that sent their requests before it (no
+    longer fresh, nothing in flight), it is the new one's grace that ends."""
+    r = start(alpha.provider(names=("a-1",)), idle=0.2, exit_on_idle=True)
+    earlier = [Client(r.port) for _ in range(others)]
+    for c in earlier:
+        c.send(post("a-1"))
+        assert c.response()[0] == 200
+    c = Client(r.port)
+    c.send(post("a-1"))
+    assert c.response()[0] == 200
+    r.thread.join(2.5)  # well within the 5 s the grace would have held it
+    assert not r.thread.is_alive(), "the first request did not end the connection's grace"
+
+
 # -- what a web page could send ------------------------------------------------------------
 
 
