@@ -129,13 +129,11 @@ class Router:
         self.loop = asyncio.get_running_loop()
         self._quiet: asyncio.Event | None = None  # set when no request is in flight (stop)
         self._dns: asyncio.Task[None] | None = None
-        self.counters = counters.load_router(log)  # where the last router left off
+        # Where the last router left off. The site counts each answered request in it
+        # (`providerd_router_requests_total`): in the live file at once, saved within
+        # ROUTER_FLUSH_S while accepting (`_flush_due`) and at the end.
+        self.counters = counters.load_router(log)
         self._flush_timer: asyncio.TimerHandle | None = None
-
-    def count(self, provider: str, model: str, status: int) -> None:
-        """One answered request (`providerd_router_requests_total`): in the live file at
-        once, saved within ROUTER_FLUSH_S while accepting (`_flush_due`) and at the end."""
-        self.counters.count(provider, model, status)
 
     def flush(self) -> None:
         """Save the counters if they changed (a failure is logged: tried again later)."""

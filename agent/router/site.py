@@ -21,6 +21,7 @@ from agent.net import auth, exchange
 from agent.net.answers import Answer, Style
 from agent.net.client import ClientConn
 from agent.net.contract import Exchange, Target
+from agent.net.counters import RouterCounters
 from agent.net.http import HttpError, RequestHead, ResponseHead
 from agent.net.origin import OriginCheck
 from agent.net.site import Gate, shown
@@ -49,10 +50,10 @@ class Routing(Protocol):
     origin: OriginCheck
     systemd: bool
     keys: KeySet | None  # API keys; None: off
+    counters: RouterCounters  # what the router answered, by provider, model and status
 
     def begin(self, conn: ClientConn) -> None: ...
     def end(self) -> None: ...
-    def count(self, provider: str, model: str, status: int) -> None: ...
 
 
 log = logging.getLogger("providerd.router")
@@ -306,7 +307,8 @@ class RouterSite:
             raise HttpError(502, "the provider switched protocols, which is not routed")
 
     def answered(self, ex: Exchange, status: int) -> None:
-        self.router.count(*ex.label, status)
+        slug, exact = ex.label
+        self.router.counters.count(slug, exact, status)
 
     def release_slot(self, ex: Exchange, up: UpstreamConn | None) -> None:
         if up is not None:
