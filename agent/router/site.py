@@ -98,6 +98,9 @@ class RouterSite:
         self.router = router
         self.note_refusal = note
         self.check_origin = router.origin.check  # 403, 415
+        # The router's settings, fixed for its life.
+        self.max_body = router.config.max_body  # 413 beyond it
+        self.log_requests = router.config.log_requests
         self.request_gate: Gate | None = None  # a further check, after the API key's
         self.pools: dict[str, Upstream] = {}  # kept connections, per provider
         self.routes: dict[str, _Route] = {}  # model name -> where it goes, for `routes_of`
@@ -105,10 +108,6 @@ class RouterSite:
         # The key the gate just let through: taken by the lease made at once after the
         # gate, in the same callback (agent.net.exchange.Exchange.begin).
         self.passed: ApiKey | None = None
-
-    @property
-    def max_body(self) -> int:
-        return self.router.config.max_body
 
     def style(self) -> Style:
         return Style(openai=True, log=self.note)
@@ -140,7 +139,7 @@ class RouterSite:
         if refused is not None:
             status, message, code = refused
             return Answer(status, message, code, close=True)
-        if req.body == "length" and req.length > self.router.config.max_body:
+        if req.body == "length" and req.length > self.max_body:
             return self.too_large()
         keys = self.router.keys
         if keys is not None:  # 401 on the head alone
@@ -193,7 +192,7 @@ class RouterSite:
             key = self.key(ex)  # Refusal(401) if the gate found none
             if key is not None:
                 self.in_scope(key, route.slug)
-        if self.router.config.log_requests:
+        if self.log_requests:
             log.info(
                 "Routing %s %s for model %s to %s",
                 req.method,
@@ -214,6 +213,7 @@ class RouterSite:
         if route is None:
             provider = table.lookup(model)
             route = _Route(provider, model if model in table.names else "")
+            self.pool(provider.slug)  # from here on, `kept` and `release_slot` find it
             if len(self.routes) >= ROUTES_MAX:
                 self.routes.clear()
             self.routes[model] = route
@@ -264,8 +264,7 @@ class RouterSite:
             pool.clear()
 
     def kept(self, ex: Exchange, target: Target) -> UpstreamConn | None:
-        pool = self.pools.get(ex.label[0])
-        up = pool.take_idle(0) if pool is not None else None
+        up = self.pools[ex.label[0]].take_idle(0)  # made with the request's route
         return up if isinstance(up, UpstreamConn) else None
 
     async def connect(self, ex: Exchange, target: Target) -> UpstreamConn:
@@ -313,7 +312,7 @@ class RouterSite:
     def release_slot(self, ex: Exchange, up: UpstreamConn | None) -> None:
         if up is not None:
             if up.usable():
-                self.pool(ex.label[0]).keep(up, 0)
+                self.pools[ex.label[0]].keep(up, 0)  # made with the request's route
             else:
                 up.close()
 
