@@ -316,6 +316,7 @@ def main() -> int:
         return 0
 
     rounds, per_round = (3, 300) if args.quick else (9, 1000)
+    load_before = os.getloadavg()[0]  # other work on the machine shows in every figure
     names = ("direct", "front", "router", "relay", "proxyd")
     socks = {name: listener() for name in names}
     ports = {name: s.getsockname()[1] for name, s in socks.items()}
@@ -406,6 +407,7 @@ def main() -> int:
     lines = [
         f"bench_router: {platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"{per_round} keep-alive requests per path and round, median of {rounds} interleaved rounds",
+        f"load average (1 min) before the run {load_before:.2f}, after it {os.getloadavg()[0]:.2f}",
         "",
         f"{'path':<38} {'p50 µs':>8} {'p99 µs':>8} {'adds p50':>9} {'adds p99':>9} {'MiB/s':>7}",
         line("direct  (client → worker)", "direct", None),
