@@ -24,6 +24,7 @@ through each path. Writes the table to bench/results/router.txt.
 
     python3 bench/bench_router.py [--quick]
     python3 bench/bench_router.py --profile    # only the in-process figures, and cProfile's
+    python3 bench/bench_router.py --instructions   # the in-process request in instructions
 """
 
 from __future__ import annotations
@@ -191,12 +192,15 @@ def throughput(port: int) -> float:
 # -- in one process, without I/O --------------------------------------------------------------
 
 
-def in_process(n: int, rounds: int, profile: bool = False) -> dict[str, float]:
+def in_process(
+    n: int, rounds: int, profile: bool = False, names: tuple[str, ...] = ("front", "router")
+) -> dict[str, float]:
     """CPU µs per request of the router's site and of a bare front's site on the same core,
     driven in this process through in-memory transports (no system calls, no other
     process): the Python each adds, steadier than any socket figure on a shared machine.
     With `profile`, each path's n requests also run once under cProfile, whose table (the
-    functions by their own time) goes to stderr."""
+    functions by their own time) goes to stderr. With no rounds, the n requests run once,
+    untimed (0.0): for a count of the instructions around them (`instructions`)."""
     import asyncio
     import tempfile
 
@@ -271,6 +275,10 @@ def in_process(n: int, rounds: int, profile: bool = False) -> dict[str, float]:
 
         for _ in range(1000):
             one()
+        if not rounds:
+            for _ in range(n):
+                one()
+            return 0.0
         if profile:
             import cProfile
             import pstats
@@ -287,13 +295,44 @@ def in_process(n: int, rounds: int, profile: bool = False) -> dict[str, float]:
             best = min(best, (time.process_time_ns() - t) / n / 1000)
         return best
 
-    return {name: loop.run(per_request(name)) for name in ("front", "router")}
+    return {name: loop.run(per_request(name)) for name in names}
+
+
+def instructions(n: int = 5000) -> dict[str, int]:
+    """Instructions per request of the in-process request, front's site and router's:
+    under valgrind's callgrind, a process that runs n requests less one that runs none,
+    divided by n. The same on a busy machine as on an idle one, where CPU time is not."""
+    out = {}
+    for name in ("front", "router"):
+        counted = []
+        for requests in (0, n):
+            run = subprocess.run(
+                [
+                    "valgrind",
+                    "--tool=callgrind",
+                    "--callgrind-out-file=/dev/null",
+                    sys.executable,
+                    __file__,
+                    "--role",
+                    f"instructions-{name}",
+                    str(requests),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            counted.append(int(run.stderr.split("Collected : ")[1].split()[0]))
+        out[name] = (counted[1] - counted[0]) // n
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true", help="in one process only, profiled")
+    ap.add_argument(
+        "--instructions", action="store_true", help="in one process only, counted by callgrind"
+    )
     ap.add_argument("--role")
     ap.add_argument("arg", nargs="?", type=int)
     args = ap.parse_args()
@@ -309,6 +348,17 @@ def main() -> int:
     if args.profile:
         got = in_process(20_000, 3, profile=True)
         print(f"in one process, no I/O: front {got['front']:.1f} µs, router {got['router']:.1f} µs")
+        return 0
+    if args.role in ("instructions-front", "instructions-router"):
+        in_process(args.arg, 0, names=(args.role.split("-")[1],))
+        return 0
+    if args.instructions:
+        got = instructions()
+        print(
+            f"in one process, no I/O: front {got['front']} instructions, router {got['router']} "
+            f"per request: router/front {got['router'] / got['front']:.3f}x, the router's own "
+            f"{got['router'] - got['front']}"
+        )
         return 0
     if args.role == "in-process":
         got = in_process(20_000, 9)
