@@ -33,6 +33,7 @@ import argparse
 import os
 import platform
 import selectors
+import shutil
 import socket
 import statistics
 import subprocess
@@ -255,8 +256,9 @@ def in_process(
             router = Router(Table([provider]), RouterConfig(), [], exit_on_idle=True)
             router.listening.accepting = True  # as once started: the idle timer runs
             site = router.site
-            router.site.route("bench")  # a first look-up of a table closes what was kept
-            router.site.pool("bench").keep(up, 0)
+            route = router.site.route("bench")  # a first look-up of a table closes the kept
+            up.generation = route.target[1]  # made under the route's table
+            router.site.pool("bench").keep(up, up.generation)
         else:
             backend = always_ready_backend(1)
             up.generation = 1
@@ -302,6 +304,8 @@ def instructions(n: int = 5000) -> dict[str, int]:
     """Instructions per request of the in-process request, front's site and router's:
     under valgrind's callgrind, a process that runs n requests less one that runs none,
     divided by n. The same on a busy machine as on an idle one, where CPU time is not."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("bench_router: --instructions needs valgrind (Debian package valgrind)")
     out = {}
     for name in ("front", "router"):
         counted = []
@@ -317,10 +321,12 @@ def instructions(n: int = 5000) -> dict[str, int]:
                     f"instructions-{name}",
                     str(requests),
                 ],
-                check=True,
                 capture_output=True,
                 text=True,
+                env={**os.environ, "PYTHONHASHSEED": "0"},  # the same dictionaries both runs
             )
+            if run.returncode != 0 or "Collected : " not in run.stderr:
+                raise SystemExit(f"bench_router: callgrind failed:\n{run.stderr[-2000:]}")
             counted.append(int(run.stderr.split("Collected : ")[1].split()[0]))
         out[name] = (counted[1] - counted[0]) // n
     return out

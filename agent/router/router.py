@@ -175,10 +175,10 @@ class Router:
 
     def begin(self, conn: ClientConn) -> None:
         """A request head arrived on `conn`."""
-        if self.busy > self.in_flight:  # some connection is fresh, within its grace: `conn`?
-            self.listening.first_request(conn)  # its grace, if fresh, becomes this request
         self.in_flight += 1
         self.busy += 1  # _busy(+1): nothing to do on the way up
+        if self.busy > self.in_flight:  # some connection is fresh, within its grace: `conn`?
+            self.listening.first_request(conn)  # its grace, if fresh, becomes this request
 
     def end(self) -> None:
         """A request that `begin` counted is over."""

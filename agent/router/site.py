@@ -83,10 +83,11 @@ class _Route:
 
     __slots__ = ("label", "slug", "target")
 
-    def __init__(self, provider: Provider, exact: str) -> None:
+    def __init__(self, provider: Provider, exact: str, generation: int) -> None:
         self.slug = provider.slug
         self.label = (provider.slug, exact)  # exact: the name if the table spells it, or ""
-        self.target: Target = (target_address(provider.addresses[0]), 0)
+        # The table's generation: connections are kept and reused within it only.
+        self.target: Target = (target_address(provider.addresses[0]), generation)
 
 
 class RouterSite:
@@ -105,6 +106,9 @@ class RouterSite:
         self.pools: dict[str, Upstream] = {}  # kept connections, per provider
         self.routes: dict[str, _Route] = {}  # model name -> where it goes, for `routes_of`
         self.routes_of: Table | None = None
+        # Bumped with each table: a connection is kept and reused only within the table its
+        # route was taken under (one in flight across a reload may lead to an old address).
+        self.table_generation = 0
         # The key the gate just let through: taken by the lease made at once after the
         # gate, in the same callback (agent.net.exchange.Exchange.begin).
         self.passed: ApiKey | None = None
@@ -208,11 +212,12 @@ class RouterSite:
         table = self.router.table
         if self.routes_of is not table:
             self.routes_of, self.routes = table, {}
+            self.table_generation += 1
             self.close()  # a kept connection may lead where a provider no longer listens
         route = self.routes.get(model)
         if route is None:
             provider = table.lookup(model)
-            route = _Route(provider, model if model in table.names else "")
+            route = _Route(provider, model if model in table.names else "", self.table_generation)
             self.pool(provider.slug)  # from here on, `kept` and `release_slot` find it
             if len(self.routes) >= ROUTES_MAX:
                 self.routes.clear()
@@ -264,13 +269,16 @@ class RouterSite:
             pool.clear()
 
     def kept(self, ex: Exchange, target: Target) -> UpstreamConn | None:
-        up = self.pools[ex.label[0]].take_idle(0)  # made with the request's route
+        up = self.pools[ex.label[0]].take_idle(target[1])
         return up if isinstance(up, UpstreamConn) else None
 
     async def connect(self, ex: Exchange, target: Target) -> UpstreamConn:
         loop = asyncio.get_running_loop()
         sock = await connect_retrying(loop, target[0], lambda: False)  # refused: 503 at once
-        _, up = await loop.connect_accepted_socket(lambda: UpstreamConn(0, "provider"), sock)
+        generation = target[1]
+        _, up = await loop.connect_accepted_socket(
+            lambda: UpstreamConn(generation, "provider"), sock
+        )
         return up
 
     def unreachable(self, ex: Exchange, target: Target, why: str) -> Answer:
@@ -311,8 +319,8 @@ class RouterSite:
 
     def release_slot(self, ex: Exchange, up: UpstreamConn | None) -> None:
         if up is not None:
-            if up.usable():
-                self.pools[ex.label[0]].keep(up, 0)  # made with the request's route
+            if up.usable() and up.generation == self.table_generation:
+                self.pools[ex.label[0]].keep(up, up.generation)
             else:
                 up.close()
 

@@ -886,6 +886,49 @@ def test_a_new_table_does_not_reuse_a_connection_to_an_old_address(
     assert [len(alpha.requests), len(beta.requests)] == [1, 1]
 
 
+def test_a_connection_in_flight_across_a_reload_is_not_kept_for_the_new_address(
+    start: Callable[..., RunningRouter], beta: FakeProvider
+) -> None:
+    """A request to a provider's old address that was still in flight when the table
+    changed: its connection ends with it, never kept for the provider's new address."""
+    import dataclasses
+
+    gate = threading.Event()
+
+    def slow(conn: socket.socket, request: bytes) -> None:
+        gate.wait(10)
+        ok_answer("old")(conn, request)
+
+    old = FakeProvider("alpha", slow)
+    try:
+        r = start(old.provider(names=("a-1",)))
+        router = r.router
+        assert router is not None
+        held = Client(r.port)
+        held.send(post("a-1"))  # waits at the old address
+        deadline = time.monotonic() + 5
+        while not old.requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        moved = dataclasses.replace(beta.provider(names=("a-1",)), slug="alpha")
+
+        async def reload() -> None:
+            router.table = Table([moved])
+
+        asyncio.run_coroutine_threadsafe(reload(), r.loop).result(5)
+        c = Client(r.port)
+        c.send(post("a-1"))
+        assert json.loads(c.response()[2])["provider"] == "beta"
+        gate.set()
+        assert json.loads(held.response()[2])["provider"] == "old"
+        for _ in range(2):  # the connection kept last is taken first
+            c.send(post("a-1"))
+            assert json.loads(c.response()[2])["provider"] == "beta"
+        assert len(old.requests) == 1
+    finally:
+        gate.set()
+        old.close()
+
+
 def test_each_answer_is_counted_at_once_and_saved_within_the_flush_interval(
     start: Callable[..., RunningRouter],
     alpha: FakeProvider,
