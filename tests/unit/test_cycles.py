@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
 
-from agent.net import loop as net_loop
+from tests.support.loops import loops
 from tests.unit.test_proxy import Setup, ok, read_request
 
 N = 100
@@ -51,15 +51,6 @@ REQUESTS = {
     # raised and caught on the way), the client's connection kept.
     "refused": b"GET /a HTTP/1.1\r\nHost: t\r\n\r\n",
 }
-
-
-def loops() -> Iterator[Any]:
-    yield pytest.param(asyncio.run, id="asyncio")
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return
-    yield pytest.param(net_loop.run, id="uvloop")
 
 
 class Saved:

@@ -8,18 +8,18 @@ import socket
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agent.net import loop as net_loop
 from agent.net import upstream
 from agent.net.site import FrontSite
 from agent.net.sockio import connect_to, error_text
 from agent.net.upstream import QueueFull, Upstream
 from agent.spec.provider import Address
+from tests.support.loops import loops
 
 
 def test_slots_pass_on_in_arrival_order_and_the_queue_is_bounded() -> None:
@@ -203,15 +203,6 @@ def test_no_more_connections_are_kept_than_the_limit() -> None:
     assert [conn.closed for conn in conns] == [False, False, True]
     assert pool.take_idle(1) is conns[1] and pool.take_idle(1) is conns[0]
     assert pool.take_idle(1) is None
-
-
-def loops() -> Iterator[Any]:
-    yield pytest.param(asyncio.run, id="asyncio")
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return
-    yield pytest.param(net_loop.run, id="uvloop")
 
 
 def listening(
