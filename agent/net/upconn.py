@@ -163,6 +163,7 @@ class UpstreamConn(asyncio.Protocol):
     def relay(self, ex: Exchange, data: bytes) -> None:
         view = memoryview(data)
         s, e = 0, len(data)
+        sent = 0  # data[sent:s] is a final head, handed on with the body bytes after it
         while s < e and self.ex is ex:
             if self.phase == HEAD:
                 head_end = find_head_end(data, s, min(e, s + MAX_HEAD))  # a read: 256 KiB
@@ -176,7 +177,7 @@ class UpstreamConn(asyncio.Protocol):
                 body = resp.body
                 if resp.status < 200 and body != "tunnel":
                     ex.on_interim(resp, view[s:head_end])
-                    s = head_end
+                    s = sent = head_end
                     continue
                 if body == "none" or (body == "length" and e - head_end >= resp.length):
                     # The usual small response: head and body in this read, relayed in one
@@ -187,36 +188,22 @@ class UpstreamConn(asyncio.Protocol):
                     self.phase = IDLE
                     self.clean = at == e and not self.eof and not self.dead
                     ex.on_whole(resp, data if s == 0 and at == e else view[s:at], self.clean)
-                    s = at
+                    s = sent = at
                     continue
                 ex.on_final(resp)
-                self.body, self.left = resp.body, resp.length
+                self.body, self.left = body, resp.length
                 if body == "tunnel":
                     self.phase = TUNNEL
                     ex.on_data(_part(data, view, s, e))
                     ex.on_tunnel(self)
                     return
                 self.phase = BODY
-                # The head goes with whatever of the body came with it: one write, not two.
-                if body == "length":
-                    k = min(e - head_end, self.left)
-                    self.left -= k
-                    ex.on_data(_part(data, view, s, head_end + k))  # not all: else on_whole
-                    s = head_end + k
-                    if self.left >= splice.SPLICE_MIN and ex.splice_response(self):
-                        return
-                    continue
                 self.scanner = ChunkedScanner() if body == "chunked" else None
-                if self.scanner is not None:
-                    at = self.chunks(data, head_end, e)
-                    ex.on_data(_part(data, view, s, at if at >= 0 else e))
-                    if at < 0:
-                        return
-                    s = at
-                    self.end(ex, s == e)
-                    continue
-                ex.on_data(_part(data, view, s, e))
-                return
+                s = head_end  # the head goes with whatever of the body came with it: one write
+                if s == e:
+                    ex.on_data(_part(data, view, sent, e))
+                    return
+                continue
             if self.phase == TUNNEL:
                 ex.on_data(_part(data, view, s, e))
                 return
@@ -224,21 +211,21 @@ class UpstreamConn(asyncio.Protocol):
             if self.body == "length":
                 k = min(e - s, self.left)
                 self.left -= k
-                ex.on_data(_part(data, view, s, s + k))
-                s += k
+                ex.on_data(_part(data, view, sent, s + k))
+                s = sent = s + k
                 if self.left == 0:
                     self.end(ex, s == e)
                 elif self.left >= splice.SPLICE_MIN and ex.splice_response(self):
                     return
             elif self.scanner is not None:
                 at = self.chunks(data, s, e)
-                ex.on_data(_part(data, view, s, at if at >= 0 else e))
+                ex.on_data(_part(data, view, sent, at if at >= 0 else e))
                 if at < 0:
                     return
-                s = at
+                s = sent = at
                 self.end(ex, s == e)
             else:  # close-delimited: the upstream's EOF ends it
-                ex.on_data(_part(data, view, s, e))
+                ex.on_data(_part(data, view, sent, e))
                 return
 
     def chunks(self, data: bytes, s: int, e: int) -> int:
