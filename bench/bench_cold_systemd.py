@@ -15,11 +15,12 @@ model's own load, the front's probe and the relay; the last round's journal foll
 
     python3 bench/bench_cold_systemd.py [--deb dist/providerd_0.1.0_all.deb] [--rounds N]
                                         [--load S] [--keep] [--decided | --gpu]
-                                        [--worker-dropin TEXT | --warm-cgroups] [--ab]
+                                        [--worker-dropin TEXT [--ab] | --favordynmods]
 
 Needs root (systemd-nspawn) and the cached base tree of the container tier
 (tests/system/base-rootfs.sh builds it). Writes bench/results/cold_systemd.txt
-(cold_systemd_decided.txt with --decided, cold_systemd_gpu.txt with --gpu).
+(cold_systemd_decided.txt with --decided, cold_systemd_gpu.txt with --gpu, a
+_favordynmods before .txt with --favordynmods).
 """
 
 from __future__ import annotations
@@ -166,22 +167,34 @@ FAKE_NVML = "/srv/providerd-bench-gpus"
 FAKE_CARDS = [{"uuid": "GPU-bench-0", "total": 16 << 30, "name": "Fake GPU"}]
 
 
-# --warm-cgroups: a process that moves itself between two cgroups every 4 ms. Moving a
-# process into a cgroup (PID 1 does it for each unit's process) first waits for an RCU grace
-# period, unless another move happened within the last one; this keeps that so, which is
-# what the cgroup2 mount option favordynmods does for good.
-WARM = """\
-import os, time
-root = next(l.split()[1] for l in open("/proc/mounts") if l.split()[2] == "cgroup2")
-groups = [f"{root}/bench-warm-{n}" for n in "ab"]
-for g in groups:
-    os.makedirs(g, exist_ok=True)
-while True:
-    for g in groups:
-        with open(f"{g}/cgroup.procs", "w") as f:
-            f.write(str(os.getpid()))
-        time.sleep(0.004)
-"""
+# --favordynmods: the host's cgroup2 superblock remounted with the option for the rounds (the
+# container's cgroups live on it), its own options kept, and put back as it was afterwards
+# (Linux 6.18 keeps moves fast after that until a reboot: then every later run measures the
+# option too). Moving a process into a cgroup (PID 1 does it for each unit's process) first waits for an
+# RCU grace period unless the hierarchy favours dynamic changes (Linux >= 6.0; before, always).
+MS_REMOUNT = 32
+
+
+def cgroup2_options() -> tuple[str, str]:
+    """The host's cgroup2 mount point and its superblock's options (mountinfo's last field)."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fstype, _, options = right.split()[:3]
+            if fstype == "cgroup2":
+                return left.split()[4].replace("\\040", " "), options
+    raise RuntimeError("no cgroup2 mount on this host")
+
+
+def remount_cgroup2(point: str, options: str) -> None:
+    """Reconfigure the cgroup2 superblock with exactly `options` (cgroup2 clears what is not
+    given: nsdelegate, memory_recursiveprot; rw/ro are not its own)."""
+    import ctypes
+
+    data = ",".join(o for o in options.split(",") if o not in ("rw", "ro"))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(b"cgroup2", point.encode(), b"cgroup2", MS_REMOUNT, data.encode()) != 0:
+        raise OSError(ctypes.get_errno(), f"remount {point} with {data!r}")
 
 
 def prepare(c: Container) -> None:
@@ -189,7 +202,6 @@ def prepare(c: Container) -> None:
     lib.mkdir(parents=True, exist_ok=True)
     (lib / "model.py").write_text(STAMPED_MODEL)
     (lib / "client.py").write_text(CLIENT)
-    (lib / "warm.py").write_text(WARM)
     for f in lib.iterdir():
         f.chmod(0o755)
     lib.chmod(0o755)
@@ -332,11 +344,12 @@ def main() -> int:
         "(e.g. '[Service]\\nProtectKernelTunables=no')",
     )
     ap.add_argument(
-        "--warm-cgroups",
+        "--favordynmods",
         action="store_true",
-        help="keep a cgroup move under way every 4 ms during the rounds: no RCU grace period "
-        "before PID 1 moves a unit's process into its cgroup (what the cgroup2 mount option "
-        "favordynmods gives)",
+        help="remount the host's cgroup2 with favordynmods for the rounds (its options kept, "
+        "put back afterwards): no RCU grace period before PID 1 moves a unit's process into "
+        "its cgroup. Linux 6.18 keeps the effect after the remount back, until a reboot: "
+        "measure the shipped set-up first",
     )
     ap.add_argument(
         "--front-dropin",
@@ -346,15 +359,14 @@ def main() -> int:
     ap.add_argument(
         "--ab",
         action="store_true",
-        help="with a drop-in or --warm-cgroups: alternate rounds without and with it, "
-        "in one container",
+        help="with a drop-in: alternate rounds without and with it, in one container",
     )
     args = ap.parse_args()
     dropin = bool(args.worker_dropin or args.front_dropin)
-    if args.ab and not (dropin or args.warm_cgroups):
-        ap.error("--ab needs --worker-dropin, --front-dropin or --warm-cgroups")
-    if args.ab and dropin and args.warm_cgroups:
-        ap.error("--ab compares one change: a drop-in or --warm-cgroups")
+    if args.ab and not dropin:
+        ap.error("--ab needs --worker-dropin or --front-dropin")
+    if args.favordynmods and dropin:
+        ap.error("--favordynmods measures one change: no drop-in with it")
     if args.gpu and args.decided:
         ap.error("--gpu is a start the front decides already; --decided is the CPU one")
     if os.geteuid() != 0:
@@ -363,6 +375,10 @@ def main() -> int:
     deb = Path(args.deb).resolve()
     if not deb.is_file():
         print(f"bench_cold_systemd: {deb} does not exist; run `make deb`", file=sys.stderr)
+        return 2
+    point, options = cgroup2_options()
+    if args.favordynmods and "favordynmods" in options.split(","):
+        print(f"bench_cold_systemd: {point} has favordynmods already", file=sys.stderr)
         return 2
     name = f"providerd-bench-{os.getpid()}"
     with installed(deb, base_tarball(), name, prepare, keep=args.keep) as ct:
@@ -392,16 +408,17 @@ def main() -> int:
                     ct.sh(f"rm -f {dropin}")
             ct.sh("systemctl daemon-reload")
 
-        def client(n: int, warm: bool = False) -> list[dict[str, float]]:
-            mover = ct.sh(f"python3 {LIB}/warm.py >/dev/null 2>&1 & echo $!").out if warm else ""
+        def client(n: int, favour: bool = False) -> list[dict[str, float]]:
+            if favour:
+                remount_cgroup2(point, options + ",favordynmods")
             try:
                 r = ct.sh(
                     f"python3 {LIB}/client.py {n} {PORT} {SLUG} {LIB}/model.py {args.load}",
                     timeout=60 + n * (args.load + 15),
                 )
             finally:
-                if mover.strip():
-                    ct.sh(f"kill {mover.strip()}; wait {mover.strip()} 2>/dev/null", check=False)
+                if favour:
+                    remount_cgroup2(point, options)
             return [json.loads(line) for line in r.out.splitlines() if line.startswith("{")]
 
         if dropin and not args.ab:
@@ -411,24 +428,24 @@ def main() -> int:
         since = first = ct.cursor()
         if args.ab:
             rounds = []
-            changed = "warm cgroups" if args.warm_cgroups else "drop-in"
+            changed = "drop-in"
             for i in range(args.rounds):
                 for variant in ("shipped", changed):
                     if dropin:
                         use_dropin(variant == changed)
                     since = ct.cursor()
-                    (x,) = client(1, warm=variant == "warm cgroups")
+                    (x,) = client(1)
                     rounds.append({**x, "round": i + 1, "variant": variant})
         else:
-            rounds = client(args.rounds, warm=args.warm_cgroups)
+            rounds = client(args.rounds, favour=args.favordynmods)
         journal = breakdown(ct, since)
         stamps = model_stamps(ct, first)
         asked = early_starts(ct, first)
         version = ct.sh("systemctl --version | head -n 1", check=False).out.strip()
     extra = f", worker drop-in {args.worker_dropin!r}" if args.worker_dropin else ""
     extra += f", front drop-in {args.front_dropin!r}" if args.front_dropin else ""
-    if args.warm_cgroups:
-        extra += ", a cgroup move every 4 ms meanwhile (--warm-cgroups)"
+    if args.favordynmods:
+        extra += ", the host's cgroup2 remounted with favordynmods (--favordynmods)"
     if args.decided:
         extra += ", started by the front (network = host, a port per start)"
     if args.gpu:
@@ -512,6 +529,7 @@ def main() -> int:
     print(text, end="")
     if not args.no_write:
         mode = "_gpu" if args.gpu else "_decided" if args.decided else ""
+        mode += "_favordynmods" if args.favordynmods else ""
         RESULTS.with_name(f"cold_systemd{mode}.txt").write_text(text)
     return 0
 
