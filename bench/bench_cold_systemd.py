@@ -170,31 +170,46 @@ FAKE_CARDS = [{"uuid": "GPU-bench-0", "total": 16 << 30, "name": "Fake GPU"}]
 # --favordynmods: the host's cgroup2 superblock remounted with the option for the rounds (the
 # container's cgroups live on it), its own options kept, and put back as it was afterwards
 # (Linux 6.18 keeps moves fast after that until a reboot: then every later run measures the
-# option too). Moving a process into a cgroup (PID 1 does it for each unit's process) first waits for an
-# RCU grace period unless the hierarchy favours dynamic changes (Linux >= 6.0; before, always).
+# option too). Moving a process into a cgroup (PID 1 does it for each unit's process) first
+# waits for an RCU grace period unless the hierarchy favours dynamic changes (Linux >= 6.0).
 MS_REMOUNT = 32
+# A remount sets the mount's own flags to the ones it is given: these keep them as they are.
+MOUNT_FLAGS = {
+    "ro": 1,
+    "nosuid": 2,
+    "nodev": 4,
+    "noexec": 8,
+    "noatime": 1 << 10,
+    "nodiratime": 1 << 11,
+    "relatime": 1 << 21,
+    "strictatime": 1 << 24,
+}
 
 
-def cgroup2_options() -> tuple[str, str]:
-    """The host's cgroup2 mount point and its superblock's options (mountinfo's last field)."""
+def cgroup2_mount() -> tuple[str, str, str]:
+    """The host's cgroup2 mount point, the mount's own options and its superblock's
+    (mountinfo's fields 5, 6 and last)."""
     with open("/proc/self/mountinfo") as f:
         for line in f:
             left, _, right = line.partition(" - ")
             fstype, _, options = right.split()[:3]
             if fstype == "cgroup2":
-                return left.split()[4].replace("\\040", " "), options
+                fields = left.split()
+                return fields[4].replace("\\040", " "), fields[5], options
     raise RuntimeError("no cgroup2 mount on this host")
 
 
-def remount_cgroup2(point: str, options: str) -> None:
+def remount_cgroup2(point: str, flags: str, options: str) -> None:
     """Reconfigure the cgroup2 superblock with exactly `options` (cgroup2 clears what is not
-    given: nsdelegate, memory_recursiveprot; rw/ro are not its own)."""
+    given: nsdelegate, memory_recursiveprot; rw/ro are not its own), the mount's own `flags`
+    kept (nosuid, nodev, noexec, ro, its atime)."""
     import ctypes
 
     data = ",".join(o for o in options.split(",") if o not in ("rw", "ro"))
+    bits = MS_REMOUNT | sum(MOUNT_FLAGS.get(f, 0) for f in set(flags.split(",")))
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(b"cgroup2", point.encode(), b"cgroup2", MS_REMOUNT, data.encode()) != 0:
-        raise OSError(ctypes.get_errno(), f"remount {point} with {data!r}")
+    if libc.mount(b"cgroup2", point.encode(), b"cgroup2", bits, data.encode()) != 0:
+        raise OSError(ctypes.get_errno(), f"remount {point} ({flags}) with {data!r}")
 
 
 def prepare(c: Container) -> None:
@@ -376,8 +391,8 @@ def main() -> int:
     if not deb.is_file():
         print(f"bench_cold_systemd: {deb} does not exist; run `make deb`", file=sys.stderr)
         return 2
-    point, options = cgroup2_options()
-    if args.favordynmods and "favordynmods" in options.split(","):
+    point, flags, options = cgroup2_mount() if args.favordynmods else ("", "", "")
+    if "favordynmods" in options.split(","):
         print(f"bench_cold_systemd: {point} has favordynmods already", file=sys.stderr)
         return 2
     name = f"providerd-bench-{os.getpid()}"
@@ -410,7 +425,7 @@ def main() -> int:
 
         def client(n: int, favour: bool = False) -> list[dict[str, float]]:
             if favour:
-                remount_cgroup2(point, options + ",favordynmods")
+                remount_cgroup2(point, flags, options + ",favordynmods")
             try:
                 r = ct.sh(
                     f"python3 {LIB}/client.py {n} {PORT} {SLUG} {LIB}/model.py {args.load}",
@@ -418,7 +433,7 @@ def main() -> int:
                 )
             finally:
                 if favour:
-                    remount_cgroup2(point, options)
+                    remount_cgroup2(point, flags, options)
             return [json.loads(line) for line in r.out.splitlines() if line.startswith("{")]
 
         if dropin and not args.ab:
@@ -428,11 +443,9 @@ def main() -> int:
         since = first = ct.cursor()
         if args.ab:
             rounds = []
-            changed = "drop-in"
             for i in range(args.rounds):
-                for variant in ("shipped", changed):
-                    if dropin:
-                        use_dropin(variant == changed)
+                for variant in ("shipped", "drop-in"):
+                    use_dropin(variant == "drop-in")
                     since = ct.cursor()
                     (x,) = client(1)
                     rounds.append({**x, "round": i + 1, "variant": variant})
